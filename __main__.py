@@ -1,0 +1,3 @@
+from elastic.cli.main import main
+
+main()
