@@ -1,0 +1,107 @@
+"""Fixtures shared by every test module: free ports, running the CLI for real, and
+making sure no process a test started outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def elastic_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "elastic", *args]
+
+
+class Processes:
+    """Starts real subprocesses (each its own session) and kills what is left at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, cmd: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("env", cli_env())
+        proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def elastic(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.start(elastic_cmd(*args), **kwargs)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    p = Processes()
+    yield p
+    p.cleanup()
+
+
+def run_elastic(*args: str, timeout: float = 90, env: dict[str, str] | None = None,
+                cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m elastic ARGS`` to completion and return what it printed."""
+    return subprocess.run(
+        elastic_cmd(*args), capture_output=True, text=True, timeout=timeout,
+        env=cli_env(env), cwd=cwd,
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(predicate, timeout: float = 30, interval: float = 0.05) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
