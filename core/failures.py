@@ -4,8 +4,14 @@ the root cause. Plain data and JSON; rendering belongs to the errors plugin."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic.core.store import Store
 
 
 @dataclass
@@ -60,3 +66,127 @@ class FailureSummary:
             "root_cause": asdict(self.root_cause),
             "others": [asdict(r) for r in self.others],
         }
+
+
+# --- publishing and collecting job-wide -------------------------------------------------
+# Every agent appends its failures to the rendezvous store under an atomic counter, so
+# each node can read every node's failures and all of them agree on one root cause.
+COUNT_KEY = "agent/failures/count"
+RECORD_KEY = "agent/failures/{}"
+# How long ``collect`` waits for a record whose slot was counted but not yet written (a
+# publisher is between ``add`` and ``set``).
+COLLECT_GRACE = timedelta(seconds=2)
+
+
+def publish(store: Store, record: FailureRecord) -> None:
+    """Append ``record`` to the job-wide failure list in ``store``."""
+    index = store.add(COUNT_KEY, 1)
+    store.set(RECORD_KEY.format(index), record.to_json())
+
+
+def collect(store: Store, grace: timedelta = COLLECT_GRACE) -> list[FailureRecord]:
+    """Every record published so far, in publication order; unreadable ones skipped."""
+    count = store.add(COUNT_KEY, 0)
+    keys = [RECORD_KEY.format(i) for i in range(1, count + 1)]
+    if keys and not store.check(keys):
+        try:
+            store.wait(keys, grace)
+        except Exception:  # a publisher died between add and set: take what is there
+            pass
+    records = []
+    for key in keys:
+        try:
+            if not store.check([key]):
+                continue
+            records.append(FailureRecord.from_json(store.get(key)))
+        except Exception:  # one bad record must not hide the others
+            continue
+    return records
+
+
+# --- the summary ------------------------------------------------------------------------
+def _round(record: FailureRecord) -> int | None:
+    value = record.extra.get("round") if isinstance(record.extra, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def signal_number(record: FailureRecord) -> int | None:
+    """The signal that killed the worker, from ``signal`` or a negative exit code."""
+    if record.signal:
+        try:
+            return int(signal.Signals[record.signal])
+        except KeyError:
+            pass
+    if record.exit_code < 0:
+        return -record.exit_code
+    return None
+
+
+def launcher_exit_code(record: FailureRecord) -> int:
+    """The exit code the launcher uses for a run that failed because of ``record``.
+
+    torchrun always exits 1. We pass the worker's own code through (clamped to 1..255,
+    since a failed run must never exit 0) and, like a shell, report death by signal N as
+    128+N (137 for SIGKILL, 139 for SIGSEGV), so a job manager can tell a crash or an OOM
+    kill from an exception. Scripts that only test for non-zero see no difference.
+    """
+    signum = signal_number(record)
+    if signum is not None and record.exit_code <= 0:
+        return min(128 + signum, 255)
+    return min(max(record.exit_code, 1), 255)
+
+
+def _order(record: FailureRecord) -> tuple[float, int, int, str]:
+    return (record.timestamp, record.rank, record.local_rank, record.host)
+
+
+def summarize(run_id: str, records: list[FailureRecord]) -> FailureSummary:
+    """The job-wide view of a failed run: the earliest failure is the root cause, the
+    others follow in time order.
+
+    When records carry ``extra["round"]`` (the rendezvous round, the same on every node),
+    only the latest round's failures are kept: earlier rounds were restarted past and
+    would otherwise always win the "earliest" comparison.
+    """
+    if not records:
+        raise ValueError("summarize needs at least one failure record")
+    rounds = [r for r in (_round(rec) for rec in records) if r is not None]
+    if rounds:
+        last = max(rounds)
+        records = [rec for rec in records if _round(rec) in (None, last)]
+    ordered = sorted(records, key=_order)
+    root = ordered[0]
+    return FailureSummary(
+        run_id=run_id, root_cause=root, others=ordered[1:], exit_code=launcher_exit_code(root)
+    )
+
+
+# --- failures that restarting cannot fix --------------------------------------------------
+_STARTUP_PATTERNS = [
+    re.compile(r"can't open file"),  # python script.py: no such script
+    re.compile(r"^\S*python[\d.]*: No module named ", re.M),  # python -m missing
+    re.compile(r"Error while finding module specification for"),  # python -m a.missing
+    re.compile(r"^(SyntaxError|IndentationError|TabError): ", re.M),
+]
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+, in (\S+)', re.M)
+
+
+def is_deterministic_startup_failure(record: FailureRecord) -> bool:
+    """True for failures that happen the same way on every attempt, so the agent should
+    report them at once instead of spending restarts: a missing script or module, a
+    syntax error, or a ``ModuleNotFoundError`` raised by the main script's own top-level
+    imports. Looks at the message and at the traceback (or stderr tail) the agent filled.
+    """
+    if record.exit_code <= 0 or record.signal:
+        return False
+    text = "\n".join(t for t in (record.message, record.traceback) if t)
+    if any(p.search(text) for p in _STARTUP_PATTERNS):
+        return True
+    if re.search(r"^ModuleNotFoundError: ", text, re.M) or record.message.startswith(
+        "ModuleNotFoundError"
+    ):
+        # Only when the whole traceback is the main script's module level: an import
+        # deeper in the program may depend on runtime state.
+        frames = _FRAME.findall(text)
+        return frames == ["<module>"]
+    return False
