@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
-
 from elastic.core import hookspecs
 
 log = logging.getLogger(__name__)

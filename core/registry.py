@@ -43,7 +43,9 @@ def get_backend_factory(name: str) -> HandlerFactory:
         known = ", ".join(known_backends()) or "none"
         hint = ""
         if name in BUILTIN_BACKENDS:
-            hint = " (built-in backends exist only when elastic-launch is installed: pip install -e .)"
+            hint = (
+                " (built-in backends exist only when elastic-launch is installed: pip install -e .)"
+            )
         raise BackendNotFoundError(
             f"unknown rendezvous backend {name!r}; known backends: {known}{hint}"
         )

@@ -94,9 +94,7 @@ class RendezvousParameters:
         try:
             return int(value)
         except ValueError:
-            raise RendezvousConfigError(
-                f"--rdzv-conf {key}={value!r} is not an integer"
-            ) from None
+            raise RendezvousConfigError(f"--rdzv-conf {key}={value!r} is not an integer") from None
 
     def get_as_float(self, key: str, default: float | None = None) -> float | None:
         value = self.config.get(key)

@@ -77,12 +77,20 @@ def procs() -> Iterator[Processes]:
     p.cleanup()
 
 
-def run_elastic(*args: str, timeout: float = 90, env: dict[str, str] | None = None,
-                cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_elastic(
+    *args: str,
+    timeout: float = 90,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m elastic ARGS`` to completion and return what it printed."""
     return subprocess.run(
-        elastic_cmd(*args), capture_output=True, text=True, timeout=timeout,
-        env=cli_env(env), cwd=cwd,
+        elastic_cmd(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(env),
+        cwd=cwd,
     )
 
 

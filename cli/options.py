@@ -1,0 +1,161 @@
+"""torchrun's flags, defined once as reusable click decorators, and their parsers.
+
+Every flag takes torchrun's dash and underscore spellings and can come from
+``PET_<FLAG>`` in the environment (Kubeflow's PyTorchJob sets those); an explicit flag
+wins. Parsers raise ``click.BadParameter`` with what is wrong and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+STD_NAMES = "0 (none), 1 (stdout), 2 (stderr), 3 (both)"
+
+
+def flag(*names: str, **kwargs: Any) -> Callable[[F], F]:
+    """A torchrun flag: ``--dash-name`` plus ``--underscore_name`` plus ``PET_`` envvar."""
+    long_names = [n for n in names if n.startswith("--")]
+    spellings = list(names)
+    for name in long_names:
+        underscored = name.replace("-", "_").replace("__", "--", 1)
+        if underscored not in spellings:
+            spellings.append(underscored)
+    dest = long_names[0][2:].replace("-", "_")
+    kwargs.setdefault("envvar", f"PET_{dest.upper()}")
+    kwargs.setdefault("show_envvar", False)
+    return click.option(*spellings, dest, **kwargs)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    parts = value.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a node count; expected N or MIN:MAX (e.g. 2 or 1:4)"
+        ) from None
+    if low < 1:
+        raise click.BadParameter(f"{value!r}: the node count must be at least 1")
+    if low > high:
+        raise click.BadParameter(f"{value!r}: MIN ({low}) must not exceed MAX ({high})")
+    return low, high
+
+
+def count_gpus() -> int:
+    """GPUs on this machine, counted without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def count_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def parse_nproc_per_node(value: str) -> int:
+    if value == "gpu":
+        gpus = count_gpus()
+        if gpus == 0:
+            raise click.BadParameter("'gpu' was asked for but this machine has no visible GPU")
+        return gpus
+    if value == "cpu":
+        return count_cpus()
+    if value == "auto":
+        return count_gpus() or count_cpus()
+    try:
+        count = int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a process count; expected a positive integer, auto, cpu or gpu"
+        ) from None
+    if count < 1:
+        raise click.BadParameter(f"{value!r}: the process count must be a positive integer")
+    return count
+
+
+def parse_std(value: str, option: str) -> dict[int, int] | int:
+    """``3`` (every local rank) or ``0:1,1:2`` (per local rank)."""
+    if re.fullmatch(r"[0-3]", value):
+        return int(value)
+    if re.fullmatch(r"(\d+:[0-3],)*\d+:[0-3]", value):
+        return {int(k): int(v) for k, v in (item.split(":") for item in value.split(","))}
+    raise click.BadParameter(
+        f"{option}={value!r}: expected one of {STD_NAMES}, or LOCAL_RANK:VALUE pairs like 0:3,1:2"
+    )
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    config: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(
+                f"{item!r} is not KEY=VALUE; expected --rdzv-conf KEY=VALUE[,KEY=VALUE...]"
+            )
+        config[key.strip()] = val.strip()
+    return config
+
+
+def parse_endpoint(value: str, default_port: int | None) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]:port``; the port must be 0..65535."""
+    host, port_text = value, ""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else rest
+    elif value.count(":") == 1:
+        host, _, port_text = value.partition(":")
+    if not host:
+        raise click.BadParameter(f"{value!r} has no host; expected HOST[:PORT]")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise click.BadParameter(
+            f"{value!r}: {port_text!r} is not a port; expected HOST[:PORT] with PORT in 0..65535"
+        )
+    return host, int(port_text)
+
+
+def parse_local_ranks_filter(value: str) -> frozenset[int] | None:
+    if not value:
+        return None
+    try:
+        ranks = frozenset(int(r) for r in value.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: expected a comma-separated list of local ranks, e.g. 0,1"
+        ) from None
+    if any(r < 0 for r in ranks):
+        raise click.BadParameter(f"{value!r}: local ranks are non-negative")
+    return ranks
+
+
+SIGNAL_NAMES = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"}
+
+
+def parse_signals(value: str) -> tuple[str, ...]:
+    names = tuple(s.strip().upper() for s in value.split(",") if s.strip())
+    unknown = [n for n in names if n not in SIGNAL_NAMES]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(unknown)}: expected a comma-separated list of {', '.join(sorted(SIGNAL_NAMES))}"
+        )
+    return names

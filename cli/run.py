@@ -1,0 +1,259 @@
+"""``elastic run``: torchrun's flags, validated up front, then one agent for this node."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from typing import Any
+
+import click
+from elastic.cli.options import (
+    flag,
+    parse_endpoint,
+    parse_local_ranks_filter,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std,
+)
+from elastic.core.launcher import DEFAULT_SIGNALS, LaunchConfig, python_exec, run_script_path
+
+log = logging.getLogger("elastic")
+
+OMP_WARNING = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, "
+    "to avoid your system being overloaded, please further tune the variable for optimal "
+    "performance in your application as needed. \n"
+    "*****************************************"
+)
+
+
+def bad(option: str, message: str) -> click.BadParameter:
+    return click.BadParameter(message, param_hint=f"'{option}'")
+
+
+def std_map(value: str, option: str, nproc: int) -> dict[int, int]:
+    try:
+        parsed = parse_std(value, option)
+    except click.BadParameter as exc:
+        raise bad(option, exc.message) from None
+    return {rank: parsed for rank in range(nproc)} if isinstance(parsed, int) else parsed
+
+
+def resolve_rendezvous(
+    opts: dict[str, Any], min_nodes: int, max_nodes: int
+) -> tuple[bool, str, str, dict[str, str]]:
+    """(standalone, backend, endpoint, rdzv_conf) as torchrun would pick them."""
+    try:
+        conf = parse_rdzv_conf(opts["rdzv_conf"])
+    except click.BadParameter as exc:
+        raise bad("--rdzv-conf", exc.message) from None
+    backend, endpoint = opts["rdzv_backend"], opts["rdzv_endpoint"]
+    if opts["standalone"]:
+        if max_nodes != 1:
+            raise bad("--standalone", f"runs one node, but --nnodes={opts['nnodes']}")
+        return True, "standalone", "", conf
+    if backend == "static":
+        if not endpoint and opts["master_port"] is None and max_nodes == 1:
+            # torchrun switches a lone node with nothing configured to a local rendezvous.
+            return True, "standalone", "", conf
+        if not endpoint:
+            port = 29500 if opts["master_port"] is None else opts["master_port"]
+            endpoint = f"{opts['master_addr']}:{port}"
+        conf.setdefault("rank", str(opts["node_rank"]))
+    elif opts["node_rank"] != 0:
+        conf.setdefault("node_rank", str(opts["node_rank"]))
+    if endpoint:
+        try:
+            parse_endpoint(endpoint, None)
+        except click.BadParameter as exc:
+            raise bad("--rdzv-endpoint", exc.message) from None
+    return False, backend, endpoint, conf
+
+
+def entrypoint_for(opts: dict[str, Any]) -> tuple[Any, tuple[str, ...]]:
+    script, script_args = opts["training_script"], tuple(opts["training_script_args"])
+    if opts["no_python"] and opts["module"]:
+        raise click.UsageError("--no-python and -m/--module cannot be used together")
+    if opts["run_path"]:
+        return run_script_path, (script, *script_args)
+    if opts["no_python"]:
+        if not (shutil.which(script) or os.access(script, os.X_OK)):
+            raise bad("training_script", f"{script!r} is not an executable program (--no-python)")
+        return script, script_args
+    if opts["module"]:
+        return python_exec(), ("-u", "-m", script, *script_args)
+    return python_exec(), ("-u", script, *script_args)
+
+
+def check_script(opts: dict[str, Any]) -> None:
+    script = opts["training_script"]
+    if script.startswith("-"):
+        raise click.UsageError(f"no such option: {script} (see elastic run --help)")
+    if opts["module"] or opts["no_python"]:
+        return
+    if not os.path.isfile(script):
+        raise bad("training_script", f"{script!r} does not exist; give the path of a Python script")
+
+
+def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ...]]:
+    try:
+        min_nodes, max_nodes = parse_nnodes(opts["nnodes"])
+    except click.BadParameter as exc:
+        raise bad("--nnodes", exc.message) from None
+    try:
+        nproc = parse_nproc_per_node(opts["nproc_per_node"])
+    except click.BadParameter as exc:
+        raise bad("--nproc-per-node", exc.message) from None
+    if opts["max_restarts"] < 0:
+        raise bad("--max-restarts", f"{opts['max_restarts']} is negative; expected 0 or more")
+    if opts["monitor_interval"] <= 0:
+        raise bad("--monitor-interval", "expected a positive number of seconds")
+    standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
+    if not standalone:
+        from elastic.core.registry import BackendNotFoundError, get_backend_factory
+
+        try:
+            get_backend_factory(backend)  # fail on a bad name before anything starts
+        except BackendNotFoundError as exc:
+            raise bad("--rdzv-backend", str(exc)) from None
+    check_script(opts)
+    entrypoint, args = entrypoint_for(opts)
+    try:
+        ranks_filter = parse_local_ranks_filter(opts["local_ranks_filter"])
+        signals = parse_signals(opts["signals_to_handle"])
+    except click.BadParameter as exc:
+        raise bad("--local-ranks-filter/--signals-to-handle", exc.message) from None
+
+    extra_env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        log.warning(OMP_WARNING)
+        extra_env["OMP_NUM_THREADS"] = "1"
+    if opts["checkpoint"]:
+        extra_env["ELASTIC_CHECKPOINT"] = opts["checkpoint"]
+    shutdown_timeout = opts["shutdown_timeout"]
+    if shutdown_timeout is None:
+        shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=opts["rdzv_id"],
+        role=opts["role"],
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=conf,
+        standalone=standalone,
+        max_restarts=opts["max_restarts"],
+        monitor_interval=opts["monitor_interval"],
+        start_method=opts["start_method"],
+        log_dir=opts["log_dir"],
+        redirects=std_map(opts["redirects"], "--redirects", nproc),
+        tee=std_map(opts["tee"], "--tee", nproc),
+        local_ranks_filter=ranks_filter,
+        local_addr=opts["local_addr"],
+        signals_to_handle=signals,
+        shutdown_timeout=shutdown_timeout,
+        extra_env=extra_env,
+        settings={
+            "error_summary": opts["error_summary"],
+            "metrics_sink": opts["metrics_sink"],
+            "checkpoint": opts["checkpoint"],
+        },
+    )
+    return config, entrypoint, args
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Start this node's agent and its workers (torchrun's flags).",
+)
+@flag("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
+@flag(
+    "--nproc-per-node",
+    default="1",
+    show_default=True,
+    help="Workers per node: N, auto, cpu or gpu.",
+)
+@flag("--rdzv-backend", default="static", show_default=True, help="Rendezvous backend name.")
+@flag("--rdzv-endpoint", default="", help="Rendezvous endpoint, HOST[:PORT].")
+@flag("--rdzv-id", default="none", show_default=True, help="Job id shared by every node.")
+@flag("--rdzv-conf", default="", help="Backend settings, KEY=VALUE[,KEY=VALUE...].")
+@flag("--standalone", is_flag=True, help="One node, local rendezvous, no server.")
+@flag("--max-restarts", type=int, default=0, show_default=True, help="Job-wide restart budget.")
+@flag(
+    "--monitor-interval",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="Seconds between worker checks.",
+)
+@flag(
+    "--start-method",
+    type=click.Choice(["spawn", "fork", "forkserver"]),
+    default="spawn",
+    show_default=True,
+)
+@flag("--role", default="default", show_default=True, help="Worker role name.")
+@flag("-m", "--module", is_flag=True, help="Run the script as a module (python -m).")
+@flag("--no-python", is_flag=True, help="Run the script as a program, not with Python.")
+@flag("--run-path", is_flag=True, help="Run the script with runpy.run_path in the worker.")
+@flag("--log-dir", default=None, help="Directory for worker logs and error files.")
+@flag(
+    "-r",
+    "--redirects",
+    default="0",
+    show_default=True,
+    help="Redirect worker output to files: 0-3 or 0:3,1:2.",
+)
+@flag("-t", "--tee", default="0", show_default=True, help="Tee worker output to files and console.")
+@flag("--local-ranks-filter", default="", help="Only show these local ranks' output, e.g. 0,1.")
+@flag(
+    "--node-rank", type=int, default=0, show_default=True, help="This node's rank (static backend)."
+)
+@flag(
+    "--master-addr", default="127.0.0.1", show_default=True, help="Master address (static backend)."
+)
+@flag("--master-port", type=int, default=None, help="Master port (static backend; default 29500).")
+@flag("--local-addr", default=None, help="This node's address as other nodes reach it.")
+@flag("--signals-to-handle", default=",".join(DEFAULT_SIGNALS), show_default=True)
+@flag(
+    "--shutdown-timeout",
+    type=float,
+    default=None,
+    help="Grace seconds between SIGTERM and SIGKILL.",
+)
+@flag("--error-summary", default=None, help="Write the failure summary as JSON to this path.")
+@flag(
+    "--metrics-sink", default=None, help="Metrics sinks, NAME[,NAME] (console, jsonl, prometheus)."
+)
+@flag("--checkpoint", default=None, help="Checkpointer for the State API, e.g. fs:DIR.")
+@click.argument("training_script")
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def run_command(**opts: Any) -> None:
+    """Run TRAINING_SCRIPT on this node with torchrun's semantics.
+
+    Start the same command on every node; the agents rendezvous, each gets a node rank and
+    starts --nproc-per-node workers with torchrun's environment (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, ...).
+    """
+    config, entrypoint, args = build_config(opts)
+    from elastic.core.launcher import launch
+    from elastic.core.rendezvous import RendezvousConfigError, RendezvousError
+
+    try:
+        result = launch(config, entrypoint, args)
+    except RendezvousConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    except RendezvousError as exc:
+        click.echo(f"elastic run: error: {exc}", err=True)
+        sys.exit(1)
+    if result.message and result.exit_code != 0:
+        log.debug("run failed: %s", result.message)
+    sys.exit(result.exit_code)
