@@ -156,6 +156,7 @@ def parse_signals(value: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in SIGNAL_NAMES]
     if unknown:
         raise click.BadParameter(
-            f"{', '.join(unknown)}: expected a comma-separated list of {', '.join(sorted(SIGNAL_NAMES))}"
+            f"{', '.join(unknown)}: expected a comma-separated list of "
+            f"{', '.join(sorted(SIGNAL_NAMES))}"
         )
     return names

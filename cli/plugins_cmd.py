@@ -52,6 +52,7 @@ def list_command(as_json: bool, no_load: bool) -> None:
         )
         for r in records
     ]
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
     for row in (headers, *rows):
-        click.echo("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+        cells = (str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+        click.echo("  ".join(cells).rstrip())
