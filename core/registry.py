@@ -7,6 +7,7 @@ by two distributions is an error naming both; a plugin never silently shadows an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from elastic.core import plugins
@@ -57,21 +58,27 @@ def get_backend_factory(name: str) -> HandlerFactory:
 
 def _load_driver(name: str, ep: object) -> HandlerFactory:
     from stevedore import DriverManager  # imported here: only a launch with a backend pays
+    from stevedore.exception import NoMatches
 
+    # stevedore logs its own warning for a failed load; ours names the distribution.
+    logging.getLogger("stevedore").setLevel(logging.ERROR)
     record = plugins.describe(ep, GROUP)  # type: ignore[arg-type]
     failures: list[BaseException] = []
-    manager = DriverManager(
-        namespace=GROUP,
-        name=name,
-        invoke_on_load=False,
-        on_load_failure_callback=lambda _mgr, _ep, exc: failures.append(exc),
-    )
-    if failures or not manager.extensions:
+    try:
+        manager = DriverManager(
+            namespace=GROUP,
+            name=name,
+            invoke_on_load=False,
+            on_load_failure_callback=lambda _mgr, _ep, exc: failures.append(exc),
+        )
+    except NoMatches:  # stevedore's answer when the only candidate failed to load
+        manager = None
+    if failures or manager is None or not manager.extensions:
         cause = plugins.format_exception(failures[0]) if failures else "it could not be loaded"
         raise BackendNotFoundError(
             f"rendezvous backend {name!r} from {record.origin} failed to load: {cause}"
         )
-    return manager.driver
+    return manager.driver  # type: ignore[no-any-return]
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:

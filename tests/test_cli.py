@@ -1,0 +1,197 @@
+"""The CLI as a user meets it: bad input, plugins list, import cost, PET_* settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, run_elastic
+
+BAD_INPUTS = [
+    (["--nnodes=4:2"], "MIN (4) must not exceed MAX (2)"),
+    (["--nnodes=0"], "at least 1"),
+    (["--nnodes=a:b"], "expected N or MIN:MAX"),
+    (["--nproc-per-node=-1"], "positive integer"),
+    (["--nproc-per-node=abc"], "expected a positive integer, auto, cpu or gpu"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=host:notaport"], "'notaport' is not a port"),
+    (["--rdzv-backend=nope"], "known backends: c10d, etcd, etcd-v2, static"),
+    (["--max-restarts=-1"], "expected 0 or more"),
+    (["--rdzv-conf=foo"], "is not KEY=VALUE"),
+    (["-r", "7"], "expected one of 0 (none)"),
+    (["--local-ranks-filter=a"], "comma-separated list of local ranks"),
+    (["--signals-to-handle=SIGFOO"], "SIGFOO"),
+]
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "hello.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
+@pytest.mark.parametrize(("flags", "expected"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(flags: list[str], expected: str, script: Path) -> None:
+    result = run_elastic("run", *flags, str(script), timeout=30)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("elastic run: error:")
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_script_is_one_line(tmp_path: Path) -> None:
+    result = run_elastic("run", "--standalone", str(tmp_path / "nope.py"), timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"elastic run: error: Invalid value for 'training_script': "
+        f"'{tmp_path / 'nope.py'}' does not exist; give the path of a Python script"
+    ]
+
+
+def test_unknown_option_is_not_taken_for_the_script(script: Path) -> None:
+    result = run_elastic("run", "--bogus", str(script), timeout=30)
+    assert result.returncode == 2
+    assert "no such option: --bogus" in result.stderr
+
+
+def test_version() -> None:
+    result = run_elastic("--version", timeout=30)
+    assert result.returncode == 0
+    assert result.stdout.strip() == "elastic, version 0.1.0"
+
+
+def test_pet_variable_is_read_and_a_flag_wins(script: Path) -> None:
+    bad_from_env = run_elastic("run", str(script), env={"PET_NNODES": "3:1"}, timeout=30)
+    assert bad_from_env.returncode == 2
+    assert "'3:1'" in bad_from_env.stderr
+    flag_wins = run_elastic("run", "--nnodes=4:2", str(script), env={"PET_NNODES": "3:1"})
+    assert "'4:2'" in flag_wins.stderr
+
+
+def modules_after(argv: list[str]) -> set[str]:
+    """The modules a CLI invocation imported, read in a fresh interpreter."""
+    code = textwrap.dedent(
+        f"""
+        import sys, json
+        from elastic.cli.main import main
+        try:
+            main({argv!r})
+        except SystemExit:
+            pass
+        sys.stderr.write("MODULES=" + json.dumps(sorted(sys.modules)) + "\\n")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env()
+    )
+    line = [ln for ln in result.stderr.splitlines() if ln.startswith("MODULES=")][-1]
+    return set(json.loads(line.removeprefix("MODULES=")))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["plugins", "list"]])
+def test_cli_never_imports_torch(argv: list[str]) -> None:
+    modules = modules_after(argv)
+    assert "torch" not in modules
+    if argv == ["--help"]:
+        assert not any(m.startswith("elastic.plugins.") for m in modules)
+
+
+def make_distribution(root: Path, name: str, entry_points: str, modules: dict[str, str]) -> Path:
+    """A real installed distribution as pip leaves it: dist-info + modules on a path."""
+    dist_info = root / f"{name}-0.1.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+    return root
+
+
+def test_plugins_list_shows_builtins_and_third_party(tmp_path: Path) -> None:
+    site = make_distribution(
+        tmp_path,
+        "thirdparty",
+        """
+        [elastic.rendezvous]
+        fake = fake_backend:create_handler
+        [elastic.plugins]
+        broken = broken_plugin
+        """,
+        {
+            "fake_backend": "def create_handler(params):\n    raise NotImplementedError\n",
+            "broken_plugin": "raise ImportError('needs libfoo')\n",
+        },
+    )
+    result = run_elastic("plugins", "list", "--json", env={"PYTHONPATH": str(site)}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    records = {(r["group"], r["name"]): r for r in json.loads(result.stdout)}
+    assert records[("elastic.rendezvous", "fake")]["status"] == "ok"
+    assert records[("elastic.rendezvous", "fake")]["distribution"] == "thirdparty"
+    broken = records[("elastic.plugins", "broken")]
+    assert broken["status"] == "error"
+    assert broken["error"] == "ImportError: needs libfoo"
+    for builtin in ("c10d", "etcd", "etcd-v2", "static"):
+        assert records[("elastic.rendezvous", builtin)]["distribution"] == "elastic-launch"
+    table = run_elastic("plugins", "list", env={"PYTHONPATH": str(site)}, timeout=30)
+    assert "error: ImportError: needs libfoo" in table.stdout
+
+
+def test_selecting_a_broken_backend_is_one_line(tmp_path: Path, script: Path) -> None:
+    site = make_distribution(
+        tmp_path / "site",
+        "brokenrdzv",
+        "[elastic.rendezvous]\nbad = bad_backend:create_handler\n",
+        {"bad_backend": "import not_installed_module\n"},
+    )
+    result = run_elastic(
+        "run",
+        "--rdzv-backend=bad",
+        "--rdzv-endpoint=127.0.0.1:1",
+        str(script),
+        env={"PYTHONPATH": str(site)},
+        timeout=30,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "rendezvous backend 'bad' from brokenrdzv==0.1 (bad_backend:create_handler)" in line
+    assert "ModuleNotFoundError" in line
+
+
+def test_backend_name_claimed_twice_names_both(tmp_path: Path, script: Path) -> None:
+    one = make_distribution(
+        tmp_path / "one",
+        "one",
+        "[elastic.rendezvous]\ndup = dup_one:create_handler\n",
+        {"dup_one": "def create_handler(p): ...\n"},
+    )
+    two = make_distribution(
+        tmp_path / "two",
+        "two",
+        "[elastic.rendezvous]\ndup = dup_two:create_handler\n",
+        {"dup_two": "def create_handler(p): ...\n"},
+    )
+    result = run_elastic(
+        "run",
+        "--rdzv-backend=dup",
+        "--rdzv-endpoint=127.0.0.1:1",
+        str(script),
+        env={"PYTHONPATH": f"{one}:{two}"},
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert (
+        "one==0.1 (dup_one:create_handler) and two==0.1 (dup_two:create_handler)" in result.stderr
+    )
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    command = ci.strip().splitlines()[-1]
+    assert command in readme
