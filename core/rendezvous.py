@@ -62,7 +62,9 @@ class RendezvousParameters:
     ``config`` holds the backend-specific ``--rdzv-conf`` pairs as strings; a backend must
     reject keys it does not know (``RendezvousConfigError`` listing the accepted ones).
     ``fingerprint`` describes this node's software and command; backends that check it
-    refuse a node whose fingerprint differs from the job's.
+    refuse a node whose fingerprint differs from the job's in a field not named in
+    ``allow_mismatch`` (see ``elastic.core.fingerprint``). ``read_only`` handlers (made by
+    ``elastic status``) must never join, write, or host a store: they only ``describe``.
     """
 
     backend: str
@@ -73,6 +75,8 @@ class RendezvousParameters:
     local_addr: str | None = None
     config: dict[str, str] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
+    allow_mismatch: frozenset[str] = frozenset()
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.backend:
