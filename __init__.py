@@ -15,6 +15,10 @@ __version__ = "0.1.0"
 # name -> "module:attribute", resolved on first access (PEP 562).
 _LAZY = {
     "record": "elastic.plugins.errors.record:record",
+    "State": "elastic.training.state:State",
+    "train": "elastic.training.loop:train",
+    "init_process_group": "elastic.training.dist:init_process_group",
+    "put_metric": "elastic.core.metrics:put_metric",
 }
 
 

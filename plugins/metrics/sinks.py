@@ -1,0 +1,151 @@
+"""The built-in metrics sinks: ``console``, ``jsonl`` and ``prometheus``.
+
+Each class is its own factory: ``Sink(arg)`` where ``arg`` is the text after ``NAME:``.
+
+Where the file sinks write, first match wins:
+
+- ``jsonl``: ``jsonl:PATH``, else ``$ELASTIC_METRICS_JSONL``, else
+  ``$ELASTIC_METRICS_DIR/metrics.jsonl``, else ``./elastic-metrics.jsonl``.
+- ``prometheus``: ``prometheus:PATH``, else ``$ELASTIC_METRICS_PROMETHEUS``, else
+  ``$ELASTIC_METRICS_DIR/metrics.prom``, else ``./elastic-metrics.prom``.
+
+The metrics hook plugin sets ``ELASTIC_METRICS_DIR`` to the run's log dir when there is
+one, and hands workers the resolved paths. Prometheus files are per process (workers add
+``.rank<N>`` before ``.prom``) because each rewrites its whole file; jsonl files are
+shared: every line is one ``O_APPEND`` write, which the kernel keeps whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from elastic.core.metrics import MetricData
+
+ENV_DIR = "ELASTIC_METRICS_DIR"
+ENV_JSONL = "ELASTIC_METRICS_JSONL"
+ENV_PROMETHEUS = "ELASTIC_METRICS_PROMETHEUS"
+
+
+def _resolve(arg: str | None, env_var: str, filename: str) -> Path:
+    if arg:
+        return Path(arg).expanduser().absolute()
+    if os.environ.get(env_var):
+        return Path(os.environ[env_var]).expanduser().absolute()
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser().absolute() / filename
+    return Path.cwd() / f"elastic-{filename}"
+
+
+def _source(data: MetricData) -> str:
+    return "agent" if data.rank is None else f"rank{data.rank}"
+
+
+class ConsoleSink:
+    """One line per metric on stderr: ``[elastic-metric] TS GROUP.NAME=VALUE (SOURCE)``."""
+
+    def __init__(self, arg: str | None = None) -> None:
+        self.path = None  # nothing for workers to resolve
+
+    def emit(self, data: MetricData) -> None:
+        print(
+            f"[elastic-metric] {data.timestamp:.3f} {data.group}.{data.name}={data.value:g} "
+            f"({_source(data)} pid={data.pid})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+class JsonlSink:
+    """One JSON object per line: ts, group, name, value, rank, pid, host."""
+
+    def __init__(self, arg: str | None = None) -> None:
+        self.path = _resolve(arg, ENV_JSONL, "metrics.jsonl")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._host = socket.gethostname()
+        # O_APPEND: lines from the agent and every worker interleave but never tear.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, data: MetricData) -> None:
+        record = {
+            "ts": data.timestamp,
+            "group": data.group,
+            "name": data.name,
+            "value": data.value,
+            "rank": data.rank,
+            "pid": data.pid,
+            "host": self._host,
+        }
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+_INVALID = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def prometheus_name(group: str, name: str) -> str:
+    """``("torchelastic", "rendezvous.duration")`` -> ``torchelastic_rendezvous_duration``."""
+    text = _INVALID.sub("_", f"{group}_{name}")
+    return f"_{text}" if text[0].isdigit() else text
+
+
+class PrometheusSink:
+    """A text-exposition file for node_exporter's textfile collector.
+
+    For each metric: a gauge with its last value and a counter of observations
+    (``NAME_count``). The whole file is rewritten on every metric, to a temp file in the
+    same directory then renamed, so the collector never reads half a file.
+    """
+
+    def __init__(self, arg: str | None = None) -> None:
+        path = _resolve(arg, ENV_PROMETHEUS, "metrics.prom")
+        rank = os.environ.get("RANK")
+        if rank is not None:  # a worker: one file per process, the agent keeps its own
+            stem = path.name[: -len(".prom")] if path.name.endswith(".prom") else path.name
+            path = path.with_name(f"{stem}.rank{rank}.prom")
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._last: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+        self._labels = f'host="{socket.gethostname()}"' + (
+            f',rank="{rank}"' if rank is not None else ""
+        )
+
+    def emit(self, data: MetricData) -> None:
+        key = prometheus_name(data.group, data.name)
+        self._last[key] = data.value
+        self._count[key] = self._count.get(key, 0) + 1
+        self._write()
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for key in sorted(self._last):
+            lines += [
+                f"# HELP {key} last value put by elastic",
+                f"# TYPE {key} gauge",
+                f"{key}{{{self._labels}}} {self._last[key]!r}",
+                f"# HELP {key}_count observations put by elastic",
+                f"# TYPE {key}_count counter",
+                f"{key}_count{{{self._labels}}} {self._count[key]}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def _write(self) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.render())
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; the collector may run as another user
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
