@@ -10,6 +10,7 @@ import click
 from elastic import __version__
 from elastic.cli.plugins_cmd import plugins_group
 from elastic.cli.run import run_command
+from elastic.cli.status import status_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +21,7 @@ def cli() -> None:
 
 cli.add_command(run_command)
 cli.add_command(plugins_group)
+cli.add_command(status_command)
 
 
 def main(argv: list[str] | None = None) -> None:

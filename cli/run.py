@@ -19,6 +19,7 @@ from elastic.cli.options import (
     parse_signals,
     parse_std,
 )
+from elastic.core.fingerprint import node_fingerprint, parse_allowed
 from elastic.core.launcher import DEFAULT_SIGNALS, LaunchConfig, python_exec, run_script_path
 
 log = logging.getLogger("elastic")
@@ -129,6 +130,18 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
     except click.BadParameter as exc:
         raise bad("--local-ranks-filter/--signals-to-handle", exc.message) from None
 
+    try:
+        allow_mismatch = parse_allowed(conf.pop("allow_mismatch", None))
+    except ValueError as exc:
+        raise bad("--rdzv-conf", str(exc)) from None
+    script = opts["training_script"]
+    fingerprint = node_fingerprint(
+        nproc_per_node=nproc,
+        entrypoint=("-m " if opts["module"] else "") + script,
+        script=None if opts["module"] or opts["no_python"] else script,
+        max_restarts=opts["max_restarts"],
+    )
+
     extra_env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning(OMP_WARNING)
@@ -160,6 +173,8 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         signals_to_handle=signals,
         shutdown_timeout=shutdown_timeout,
         extra_env=extra_env,
+        fingerprint=fingerprint,
+        allow_mismatch=allow_mismatch,
         settings={
             "error_summary": opts["error_summary"],
             "metrics_sink": opts["metrics_sink"],

@@ -42,6 +42,7 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
+    allow_mismatch: frozenset[str] = frozenset()
     settings: dict[str, object] = field(default_factory=dict)  # for elastic_agent_start
 
 
@@ -68,6 +69,7 @@ def create_handler(config: LaunchConfig) -> RendezvousHandler:
         local_addr=config.local_addr,
         config=dict(config.rdzv_configs),
         fingerprint=dict(config.fingerprint),
+        allow_mismatch=config.allow_mismatch,
     )
     return get_rendezvous_handler(params)
 

@@ -1,0 +1,113 @@
+"""``elastic status``: what a running job looks like, read from its rendezvous backend.
+
+Read-only: the handler is created with ``read_only=True``, so it never joins, writes or
+hosts a store. The JSON schema (``--json``) is ``JobStatus`` as a dict, version 1:
+``{"schema": 1, "run_id", "backend", "state", "round", "round_formed_at", "min_nodes",
+"max_nodes", "waiting", "restarts_used", "max_restarts", "root_cause",
+"members": [{"node_id", "host", "rank", "pid", "local_world_size", "heartbeat_age",
+"versions"}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import click
+from elastic.cli.options import flag
+from elastic.core.rendezvous import JobStatus, RendezvousError, RendezvousParameters
+
+
+def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
+    from elastic.core.registry import get_rendezvous_handler
+
+    params = RendezvousParameters(
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=1,
+        read_only=True,
+    )
+    handler = get_rendezvous_handler(params)
+    try:
+        return handler.describe()
+    finally:
+        handler.shutdown()
+
+
+def status_dict(status: JobStatus) -> dict[str, Any]:
+    return {"schema": 1, **asdict(status)}
+
+
+def age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def render(status: JobStatus) -> str:
+    formed = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.round_formed_at))
+        if status.round_formed_at
+        else "-"
+    )
+    budget = "?" if status.max_restarts is None else str(status.max_restarts)
+    lines = [
+        f"job {status.run_id} ({status.backend}): {status.state}",
+        f"round {status.round}, formed {formed}; nodes {len(status.members)} "
+        f"(min {status.min_nodes}, max {status.max_nodes}), {status.waiting} waiting",
+        f"restarts used {status.restarts_used} of {budget}",
+    ]
+    headers = ("RANK", "HOST", "PID", "NPROC", "HEARTBEAT", "VERSIONS")
+    rows = [
+        (
+            "-" if m.rank is None else str(m.rank),
+            m.host,
+            str(m.pid or "-"),
+            str(m.local_world_size or "-"),
+            age(m.heartbeat_age),
+            " ".join(f"{k}={v}" for k, v in sorted(m.versions.items())),
+        )
+        for m in sorted(status.members, key=lambda m: (m.rank is None, m.rank or 0))
+    ]
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
+    for row in (headers, *rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    if status.root_cause:
+        rc = status.root_cause
+        lines.append(
+            f"root cause: rank {rc.get('rank')} on {rc.get('host')} "
+            f"exit {rc.get('exit_code')} {rc.get('signal') or ''} {rc.get('message', '')}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+@click.command("status")
+@flag("--rdzv-backend", default="c10d", show_default=True, help="Rendezvous backend name.")
+@flag("--rdzv-endpoint", required=True, help="Rendezvous endpoint, HOST[:PORT].")
+@flag("--rdzv-id", required=True, help="The job id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the documented JSON schema.")
+@click.option("--watch", type=float, default=None, help="Redraw every SECONDS until interrupted.")
+def status_command(
+    rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, as_json: bool, watch: float | None
+) -> None:
+    """Show a running job: its state, round, members, restarts and root cause."""
+    if watch is not None and watch <= 0:
+        raise click.BadParameter("expected a positive number of seconds", param_hint="'--watch'")
+    while True:
+        try:
+            status = describe_job(rdzv_backend, rdzv_endpoint, rdzv_id)
+        except (RendezvousError, LookupError) as exc:
+            click.echo(f"elastic status: error: {exc}", err=True)
+            sys.exit(1)
+        text = json.dumps(status_dict(status), indent=2) if as_json else render(status)
+        if watch is None:
+            click.echo(text)
+            return
+        click.echo("\x1b[2J\x1b[H" + text, nl=True)  # clear screen, cursor home
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
