@@ -1,0 +1,117 @@
+"""The ``static`` rendezvous backend (``--rdzv-backend=static``, torchrun's default).
+
+A fixed number of nodes (``--nnodes=N``, not a range), each given its rank
+(``--node-rank``); node rank 0 hosts a TCPStore on ``--master-addr:--master-port``.
+
+``--rdzv-conf`` keys:
+
+* ``rank`` / ``node_rank`` -- this node's rank (the CLI fills it from ``--node-rank``).
+* ``timeout`` -- seconds to reach node 0's store and to wait for every node in a round;
+  default 600, as torchrun's static backend.
+* ``shutdown_timeout`` -- seconds node 0 keeps its store up at exit for the other nodes
+  to finish; default 30.
+
+Importing this module must not import torch: it is imported when the backend is
+chosen, and torch is only needed once a rendezvous actually runs.
+"""
+
+from __future__ import annotations
+
+from elastic.core.rendezvous import (
+    RendezvousConfigError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+ACCEPTED_KEYS = ("rank", "node_rank", "timeout", "shutdown_timeout")
+
+__all__ = ["create_handler", "parse_endpoint"]
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host[:port]`` (``[v6]:port`` too) -> (host, port), with torchrun's defaults."""
+    endpoint = (endpoint or "").strip()
+    if not endpoint:
+        return DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+    host, port_text = endpoint, ""
+    if endpoint.startswith("["):  # [::1]:29500
+        host, _, rest = endpoint[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif endpoint.count(":") == 1:
+        host, port_text = endpoint.split(":")
+    host = host or DEFAULT_MASTER_ADDR
+    if not port_text:
+        return host, DEFAULT_MASTER_PORT
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise RendezvousConfigError(
+            f"static rendezvous: invalid port in endpoint {endpoint!r} (--master-port)"
+        )
+    return host, port
+
+
+def _node_rank(params: RendezvousParameters) -> int:
+    rank = params.get_as_int("rank")
+    alias = params.get_as_int("node_rank")
+    if rank is not None and alias is not None and rank != alias:
+        raise RendezvousConfigError(
+            f"static rendezvous: --rdzv-conf rank={rank} and node_rank={alias} disagree"
+        )
+    rank = rank if rank is not None else alias
+    if rank is None:
+        if params.max_nodes == 1:
+            return 0
+        raise RendezvousConfigError(
+            "static rendezvous needs this node's rank: pass --node-rank "
+            f"(0..{params.max_nodes - 1})"
+        )
+    if not 0 <= rank < params.max_nodes:
+        raise RendezvousConfigError(
+            f"static rendezvous: --node-rank={rank} is out of range for --nnodes="
+            f"{params.max_nodes} (valid: 0..{params.max_nodes - 1})"
+        )
+    return rank
+
+
+def _positive(params: RendezvousParameters, key: str, default: float) -> float:
+    value = params.get_as_float(key, default)
+    assert value is not None
+    if value <= 0:
+        raise RendezvousConfigError(f"--rdzv-conf {key}={value:g} must be > 0 seconds")
+    return value
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Entry point of the ``static`` backend: validate ``params`` and build the handler."""
+    params.check_keys(ACCEPTED_KEYS)
+    if params.min_nodes != params.max_nodes:
+        raise RendezvousConfigError(
+            "the static rendezvous backend needs a fixed number of nodes: --nnodes=N, "
+            f"not a range (got {params.min_nodes}:{params.max_nodes}); use "
+            "--rdzv-backend=c10d for an elastic job"
+        )
+    rank = _node_rank(params)
+    master_addr, master_port = parse_endpoint(params.endpoint)
+    timeout = _positive(params, "timeout", DEFAULT_TIMEOUT)
+    shutdown_timeout = _positive(params, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT)
+
+    # Imported here: handler imports this package's store module (a cycle at top level).
+    from elastic.plugins.rdzv_static.handler import StaticRendezvousHandler
+
+    return StaticRendezvousHandler(
+        run_id=params.run_id,
+        rank=rank,
+        world_size=params.max_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        timeout=timeout,
+        shutdown_timeout=shutdown_timeout,
+        local_addr=params.local_addr,
+    )

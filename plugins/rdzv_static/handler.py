@@ -1,0 +1,272 @@
+"""The ``static`` rendezvous: a fixed set of nodes, each told its rank (torchrun's default).
+
+Node rank 0 hosts a TCPStore on ``--master-addr:--master-port``; the others connect to it.
+Every ``next_rendezvous`` call is a round. A node's round is derived from one job-wide
+counter (``store.add``), so all nodes agree on it without trusting local state, and a
+round completes when every node has registered. Node 0 then picks a fresh free port for
+this round's workers and publishes the assignment as JSON; the others wait for it. A
+fresh port per round means nothing a dead attempt left listening can reach the new one.
+
+Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
+
+    rdzv/arrivals                   counter: calls to next_rendezvous, all nodes
+    rdzv/round/<r>/node/<rank>      {"node_id", "host", "pid"}  (claimed once per rank)
+    rdzv/round/<r>/registered       counter: nodes that wrote their node key
+    rdzv/round/<r>/complete         true once every node registered (or the closed marker)
+    rdzv/round/<r>/assignment       {"round", "master_addr", "master_port", "world_size",
+                                     "members"}  (or the closed marker)
+    rdzv/closed                     true once set_closed was called
+    rdzv/finished, rdzv/finished_all   shutdown counter and its "everyone is done" flag
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from elastic.core.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from elastic.core.store import Store, StoreTimeoutError
+from elastic.plugins.rdzv_static import store as tcp
+
+log = logging.getLogger(__name__)
+
+ARRIVALS = "rdzv/arrivals"
+CLOSED = "rdzv/closed"
+FINISHED = "rdzv/finished"
+FINISHED_ALL = "rdzv/finished_all"
+_CLOSED_MARKER = json.dumps({"closed": True})
+# Several handlers may live in one process (tests, embedding): keep node ids distinct.
+_local_ids = itertools.count()
+
+
+def round_key(round_: int, name: str) -> str:
+    return f"rdzv/round/{round_}/{name}"
+
+
+def load_json(store: Store, key: str, prefix: str = "") -> Any:
+    """Read ``key`` and parse it as JSON; anything else is corrupt state, named as such."""
+    raw = store.get(key)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousStateError(
+            f"static rendezvous state is corrupt: key {prefix + key!r} does not hold "
+            f"valid JSON ({exc}); value starts {bytes(raw[:40])!r}"
+        ) from None
+
+
+class StaticRendezvousHandler(RendezvousHandler):
+    """Fixed-size rendezvous over a TCPStore hosted by node rank 0."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout: float,
+        shutdown_timeout: float,
+        local_addr: str | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.timeout = timedelta(seconds=timeout)
+        self.shutdown_timeout = timedelta(seconds=shutdown_timeout)
+        self.host = local_addr or socket.gethostname()
+        self.node_id = f"{self.host}:{os.getpid()}:{next(_local_ids)}"
+        self.prefix = f"{run_id}/"
+        self._tcp_store: Any = None  # the torch TCPStore; node 0's keeps the server alive
+        self._store: tcp.PrefixedTorchStore | None = None
+        self._round: int | None = None
+        self._closed = False
+
+    # -- connection ---------------------------------------------------------------
+
+    def _connect(self) -> tcp.PrefixedTorchStore:
+        if self._store is None:
+            if self.rank == 0:
+                self._tcp_store = tcp.host_store(self.master_addr, self.master_port, self.timeout)
+            else:
+                self._tcp_store = tcp.connect_store(
+                    self.master_addr, self.master_port, self.timeout
+                )
+            self._store = tcp.PrefixedTorchStore(self._tcp_store, self.prefix, self.timeout)
+        return self._store
+
+    def _wait(self, store: Store, key: str, round_: int, what: str) -> None:
+        """Wait for one key; one blocking wait (woken by set_closed's markers), no polling."""
+        try:
+            store.wait([key], self.timeout)
+        except StoreTimeoutError:
+            arrived = store.add(ARRIVALS, 0) - round_ * self.world_size
+            raise RendezvousTimeoutError(
+                f"static rendezvous round {round_} timed out after "
+                f"{self.timeout.total_seconds():g}s waiting for {what} "
+                f"({max(arrived, 0)} of {self.world_size} nodes arrived; this is node "
+                f"rank {self.rank}; raise it with --rdzv-conf timeout=SECONDS)"
+            ) from None
+        if store.check([CLOSED]):
+            raise RendezvousClosedError(f"the static rendezvous of run {self.run_id!r} is closed")
+
+    # -- RendezvousHandler --------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"the static rendezvous of run {self.run_id!r} is closed")
+        store = self._connect()
+        # The round comes from the job-wide counter, not a local one: every node calls
+        # next_rendezvous once per round, so the n-th arrival belongs to round n // size.
+        arrival = store.add(ARRIVALS, 1)
+        round_ = (arrival - 1) // self.world_size
+        if store.check([CLOSED]):
+            raise RendezvousClosedError(f"the static rendezvous of run {self.run_id!r} is closed")
+        self._register(store, round_)
+        if self.rank == 0:
+            self._wait(store, round_key(round_, "complete"), round_, "every node to register")
+            assignment = self._publish(store, round_)
+        else:
+            key = round_key(round_, "assignment")
+            self._wait(store, key, round_, "node rank 0 to publish the round's assignment")
+            assignment = self._parse_assignment(load_json(store, key, self.prefix), key)
+        self._round = round_
+        log.debug("static rendezvous round %d: %s", round_, assignment)
+        return RendezvousInfo(
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=assignment["master_addr"],
+            master_port=assignment["master_port"],
+            round=round_,
+            members=list(assignment["members"]),
+        )
+
+    def _register(self, store: Store, round_: int) -> None:
+        key = round_key(round_, f"node/{self.rank}")
+        mine = json.dumps({"node_id": self.node_id, "host": self.host, "pid": os.getpid()})
+        held = store.compare_set(key, "", mine)
+        if bytes(held) != mine.encode():
+            other = load_json(store, key, self.prefix)
+            who = other.get("node_id") if isinstance(other, dict) else other
+            raise RendezvousConfigError(
+                f"node rank {self.rank} is already taken in round {round_} by {who}; "
+                f"give every node a distinct --node-rank in 0..{self.world_size - 1}"
+            )
+        if store.add(round_key(round_, "registered"), 1) == self.world_size:
+            store.set(round_key(round_, "complete"), "true")
+
+    def _publish(self, store: Store, round_: int) -> dict[str, Any]:
+        members = []
+        for rank in range(self.world_size):
+            key = round_key(round_, f"node/{rank}")
+            node = load_json(store, key, self.prefix)
+            if not isinstance(node, dict) or not isinstance(node.get("node_id"), str):
+                raise RendezvousStateError(f"static rendezvous key {self.prefix + key!r}: {node!r}")
+            members.append(node["node_id"])
+        assignment = {
+            "round": round_,
+            "master_addr": self.master_addr,
+            "master_port": tcp.free_port(),
+            "world_size": self.world_size,
+            "members": members,
+        }
+        store.set(round_key(round_, "assignment"), json.dumps(assignment))
+        return assignment
+
+    def _parse_assignment(self, value: Any, key: str) -> dict[str, Any]:
+        ok = (
+            isinstance(value, dict)
+            and isinstance(value.get("master_addr"), str)
+            and isinstance(value.get("master_port"), int)
+            and isinstance(value.get("members"), list)
+            and value.get("world_size") == self.world_size
+        )
+        if not ok:
+            raise RendezvousStateError(
+                f"static rendezvous key {self.prefix + key!r} holds an unexpected "
+                f"assignment: {value!r}"
+            )
+        return value
+
+    def is_closed(self) -> bool:
+        if self._closed:
+            return True
+        if self._store is None:
+            return False
+        try:
+            return self._store.check([CLOSED])
+        except RendezvousConnectionError:
+            return False
+
+    def set_closed(self) -> None:
+        self._closed = True
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(CLOSED, "true")
+            # Wake whoever waits in a round around now: they wait on exactly one key, so
+            # fill it (only if absent) with a marker; after waking they see CLOSED.
+            current = (store.add(ARRIVALS, 0) - 1) // self.world_size
+            for round_ in range(max(current - 1, 0), current + 2):
+                for name in ("complete", "assignment"):
+                    store.compare_set(round_key(round_, name), "", _CLOSED_MARKER)
+        except (RendezvousConnectionError, StoreTimeoutError) as exc:
+            log.warning("could not mark the static rendezvous closed: %s", exc)
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # fixed membership: nobody can be waiting to join
+
+    def shutdown(self) -> bool:
+        store = self._store
+        if store is None:
+            return True
+        ok = True
+        try:
+            if store.add(FINISHED, 1) >= self.world_size:
+                store.set(FINISHED_ALL, "true")
+            if self.rank == 0:
+                # The others talk to our store until they're done; dropping it first
+                # would turn their clean exit into "connection reset". Bounded wait.
+                try:
+                    store.wait([FINISHED_ALL], self.shutdown_timeout)
+                except StoreTimeoutError:
+                    done = store.add(FINISHED, 0)
+                    log.warning(
+                        "static rendezvous: only %d of %d nodes finished within %gs; "
+                        "stopping the store anyway",
+                        done,
+                        self.world_size,
+                        self.shutdown_timeout.total_seconds(),
+                    )
+                    ok = False
+        except RendezvousConnectionError as exc:
+            log.debug("static rendezvous store already gone at shutdown: %s", exc)
+            ok = self.rank != 0
+        finally:
+            self._store = None
+            self._tcp_store = None
+        return ok
