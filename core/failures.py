@@ -4,8 +4,10 @@ the root cause. Plain data and JSON; rendering belongs to the errors plugin."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -190,3 +192,22 @@ def is_deterministic_startup_failure(record: FailureRecord) -> bool:
         frames = _FRAME.findall(text)
         return frames == ["<module>"]
     return False
+
+
+def script_problem(path: str) -> str | None:
+    """Why the Python script at ``path`` cannot start, in Python's own words, or None.
+
+    For the agent to call before starting workers whose stderr it does not capture (and
+    so could not show to ``is_deterministic_startup_failure``): a missing script or a
+    syntax error fails every attempt identically, so it is reported without a launch.
+    """
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        return f"can't open file {os.path.abspath(path)!r}: [Errno {exc.errno}] {exc.strerror}"
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
+        return "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+    return None

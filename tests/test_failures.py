@@ -21,6 +21,7 @@ from elastic.core.failures import (
     is_deterministic_startup_failure,
     launcher_exit_code,
     publish,
+    script_problem,
     summarize,
 )
 from elastic.core.store import LocalStore
@@ -218,3 +219,26 @@ def test_runtime_failures_are_not_deterministic(tmp_path: Path) -> None:
     r = python_failure(tmp_path, "main.py", script=crash)
     assert r.exit_code == -11 and not is_deterministic_startup_failure(r)
     assert not is_deterministic_startup_failure(rec(0, 1.0, exit_code=-9, signal="SIGKILL"))
+
+
+def test_script_problem_matches_python(tmp_path: Path) -> None:
+    """The pre-launch check says what Python itself would, and the agent's detector
+    recognises it."""
+    assert script_problem(str(tmp_path / "absent.py")) is not None
+    for name, source in [
+        ("ok.py", "print(1)\n"),
+        ("bad.py", "def f(:\n"),
+        ("tab.py", "if 1:\nx\n"),
+    ]:
+        (tmp_path / name).write_text(source)
+        problem = script_problem(str(tmp_path / name))
+        if name == "ok.py":
+            assert problem is None
+            continue
+        assert problem is not None
+        real = python_failure(tmp_path, name)
+        assert problem.splitlines()[-1] == real.traceback.splitlines()[-1]
+        assert is_deterministic_startup_failure(rec(0, 1.0, message=problem))
+    missing = script_problem(str(tmp_path / "absent.py"))
+    assert missing is not None and "can't open file" in missing
+    assert is_deterministic_startup_failure(rec(0, 1.0, exit_code=2, message=missing))
