@@ -45,6 +45,10 @@ def std_map(value: str, option: str, nproc: int) -> dict[int, int]:
     return {rank: parsed for rank in range(nproc)} if isinstance(parsed, int) else parsed
 
 
+def split_filters(value: str) -> tuple[str, ...]:
+    return tuple(f for f in value.split(",") if f)
+
+
 def resolve_rendezvous(
     opts: dict[str, Any], min_nodes: int, max_nodes: int
 ) -> tuple[bool, str, str, dict[str, str]]:
@@ -142,6 +146,11 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         max_restarts=opts["max_restarts"],
     )
 
+    if opts["logs_specs"] not in (None, "", "default"):
+        raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
+    if opts["numa_binding"]:
+        raise bad("--numa-binding", "NUMA binding is not provided; run under numactl instead")
+
     extra_env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning(OMP_WARNING)
@@ -175,7 +184,11 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         extra_env=extra_env,
         fingerprint=fingerprint,
         allow_mismatch=allow_mismatch,
+        virtual_local_rank=opts["virtual_local_rank"],
+        duplicate_stdout_filters=split_filters(opts["duplicate_stdout_filters"]),
+        duplicate_stderr_filters=split_filters(opts["duplicate_stderr_filters"]),
         settings={
+            "event_log_handler": opts["event_log_handler"],
             "error_summary": opts["error_summary"],
             "metrics_sink": opts["metrics_sink"],
             "checkpoint": opts["checkpoint"],
@@ -244,6 +257,22 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
     default=None,
     help="Grace seconds between SIGTERM and SIGKILL.",
 )
+@flag("--virtual-local-rank", is_flag=True, help="LOCAL_RANK=0 and one visible GPU per worker.")
+@flag(
+    "--duplicate-stdout-filters",
+    default="",
+    help="Copy matching stdout lines to a file.",
+)
+@flag(
+    "--duplicate-stderr-filters",
+    default="",
+    help="Copy matching stderr lines to a file.",
+)
+@flag(
+    "--event-log-handler", type=click.Choice(["null", "console"]), default="null", show_default=True
+)
+@flag("--logs-specs", default=None, help="Only the default log layout is provided.")
+@flag("--numa-binding", default=None, help="Not provided; rejected with an error.")
 @flag("--error-summary", default=None, help="Write the failure summary as JSON to this path.")
 @flag(
     "--metrics-sink", default=None, help="Metrics sinks, NAME[,NAME] (console, jsonl, prometheus)."

@@ -43,6 +43,9 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
     allow_mismatch: frozenset[str] = frozenset()
+    virtual_local_rank: bool = False
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
     settings: dict[str, object] = field(default_factory=dict)  # for elastic_agent_start
 
 
