@@ -1,0 +1,429 @@
+"""The node agent: rendezvous, start this node's workers, watch them, restart or finish.
+
+One loop per node. Each round the agent rendezvouses, assigns ranks, starts its workers
+and checks them every ``monitor_interval`` seconds. A failed worker stops the whole local
+group and costs one restart of the job-wide budget (kept in the rendezvous store, so every
+node agrees on ``TORCHELASTIC_RESTART_COUNT``); a node arriving or leaving stops the group
+without costing anything. Signals sent to the agent are forwarded to every worker's
+process group, and the agent exits with ``128 + signum`` once they are gone.
+
+The agent never imports torch: it only needs the rendezvous handler and its store.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastic.core import failures as fail
+from elastic.core.logs import (
+    LogLayout,
+    LogTailer,
+    WorkerLogs,
+    failure_record,
+    script_syntax_error,
+    start_tailer,
+)
+from elastic.core.plugins import PluginHost
+from elastic.core.process import (
+    Interrupted,
+    SignalGuard,
+    WorkerProcess,
+    start_worker,
+    stop_workers,
+)
+from elastic.core.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+)
+from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from elastic.core.store import Store
+from elastic.core.worker_env import assign_ranks, substitute_args, worker_vars
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting()/lost_nodes() calls
+FAILED_CHECK_INTERVAL = 1.0  # seconds between checks of the job-wide failed flag
+# Job-wide state in the rendezvous store (namespaced by run id by the backend).
+RESTARTS_KEY = "agent/restarts"
+FAILED_KEY = "agent/failed"
+CLAIM_KEY = "agent/restart_claim/{}"
+BARRIER_KEY = "agent/exit_barrier/{}"
+
+T = TypeVar("T")
+
+
+def store_call(fn: Callable[..., T], *args: Any) -> T:
+    """Call the store or handler; a broken connection becomes RendezvousConnectionError.
+
+    torch's TCPStore raises RuntimeError (DistNetworkError) or OSError when its server
+    is gone; whatever the backend, the agent must answer with one clear line.
+    """
+    try:
+        return fn(*args)
+    except (RendezvousError, Interrupted):
+        raise
+    except (OSError, RuntimeError) as exc:
+        raise RendezvousConnectionError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def claim_restart(store: Store, round_: int, node_id: str) -> int:
+    """Spend one restart of the job-wide budget for a failed round; the restarts so far.
+
+    Every node whose workers failed in round R races for the one claim of R, so a failure
+    seen by several nodes at once costs the job a single restart.
+    """
+    won = store_call(store.compare_set, CLAIM_KEY.format(round_), "", node_id)
+    if won == node_id.encode():
+        return int(store_call(store.add, RESTARTS_KEY, 1))
+    return int(store_call(store.add, RESTARTS_KEY, 0))
+
+
+def exit_barrier(store: Store, round_: int, world_size: int, timeout: float) -> None:
+    """Wait (up to ``timeout`` s) for every node of the round to finish, so a node that
+    hosts the store does not take it away from nodes still finishing their workers."""
+    key = BARRIER_KEY.format(round_)
+    if int(store_call(store.add, key, 1)) >= world_size:
+        store_call(store.set, f"{key}/done", "1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store_call(store.check, [f"{key}/done"]) or store_call(store.check, [FAILED_KEY]):
+            return
+        time.sleep(0.1)
+
+
+class ElasticAgent(abc.ABC):
+    """An agent runs one node's share of a job and reports how it ended."""
+
+    @abc.abstractmethod
+    def run(self) -> RunResult:
+        """Run the workers to completion (restarting them as needed)."""
+
+    @abc.abstractmethod
+    def get_worker_group(self) -> WorkerGroup:
+        """This node's current worker group (its state, ranks and round)."""
+
+
+class LocalElasticAgent(ElasticAgent):
+    """Supervises this node's workers as local processes (commands or callables)."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        plugin_host: PluginHost | None = None,
+        settings: dict[str, Any] | None = None,
+        signals_to_handle: tuple[str, ...] | list[str] = DEFAULT_SIGNALS,
+        log_dir_suffix: str | None = None,
+    ) -> None:
+        if spec.rdzv_handler is None:
+            raise ValueError("WorkerSpec.rdzv_handler is required")
+        self._spec = spec
+        self._handler: RendezvousHandler = spec.rdzv_handler
+        self._host = plugin_host
+        self._settings = dict(settings or {})
+        self._signals = tuple(signals_to_handle)
+        self._guard = SignalGuard(self._signals)
+        self._suffix = log_dir_suffix
+        self._group = WorkerGroup(spec)
+        self._workers: list[WorkerProcess] = []
+        self._logs: dict[int, WorkerLogs] = {}
+        self._layout: LogLayout | None = None
+        self._tailer: LogTailer | None = None
+        self._store: Store | None = None
+        self._node_id = f"{socket.gethostname()}_{id(self):x}"
+        self._host_name: str | None = None
+        self._attempts = 0
+        self._failures: dict[int, fail.FailureRecord] = {}
+
+    # --- public -------------------------------------------------------------------------
+    def get_worker_group(self) -> WorkerGroup:
+        return self._group
+
+    @property
+    def run_log_dir(self) -> str | None:
+        """``LOG_DIR/<run_id>_<suffix>``, once the first attempt has started."""
+        return self._layout.run_dir if self._layout else None
+
+    def run(self) -> RunResult:
+        started = time.monotonic()
+        self._notify("elastic_agent_start", spec=self._spec, settings=self._settings)
+        self._guard.install()
+        try:
+            try:
+                result = self._loop()
+            except Interrupted as sig:
+                result = self._on_signal(sig.signum)
+        finally:
+            if self._workers:  # only on an unexpected exception: never leave workers
+                self._stop(signal.SIGKILL, 0)
+            self._guard.restore()
+            with contextlib.suppress(Exception):
+                self._handler.shutdown()
+        self._group.state = result.state
+        self._notify("elastic_run_end", result=result, duration=time.monotonic() - started)
+        return result
+
+    # --- signals ------------------------------------------------------------------------
+    def _on_signal(self, signum: int) -> RunResult:
+        name = signal.Signals(signum).name
+        self._stop(signum, self._spec.shutdown_timeout)
+        message = f"the agent received {name}; its workers were stopped"
+        print(f"elastic: {message}", file=sys.stderr, flush=True)
+        return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
+
+    # --- the loop -----------------------------------------------------------------------
+    def _loop(self) -> RunResult:
+        prev_world_size: int | None = None
+        while True:
+            try:
+                info = self._rendezvous()
+            except RendezvousGracefulExitError as exc:
+                return RunResult(WorkerState.SUCCEEDED, message=f"not needed: {exc}")
+            except RendezvousClosedError:
+                if self._attempts == 0:
+                    return RunResult(WorkerState.SUCCEEDED, message="rendezvous is closed")
+                if self._store is not None and self._job_failed():
+                    return self._final_failure("the job failed on another node")
+                return self._one_line_failure("the rendezvous was closed by another node")
+            except RendezvousConnectionError as exc:
+                return self._one_line_failure(f"lost the rendezvous backend: {exc}")
+            except RendezvousError as exc:
+                return self._one_line_failure(f"rendezvous failed: {type(exc).__name__}: {exc}")
+            try:
+                if prev_world_size is not None and prev_world_size != info.world_size:
+                    self._notify(
+                        "elastic_membership_changed",
+                        old_world_size=prev_world_size,
+                        new_world_size=info.world_size,
+                        round=info.round,
+                    )
+                prev_world_size = info.world_size
+                if self._job_failed():
+                    return self._final_failure("the job failed on another node")
+                result = self._run_attempt(info)
+            except RendezvousConnectionError as exc:
+                self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+                return self._one_line_failure(f"lost the rendezvous backend: {exc}")
+            if result is not None:
+                return result
+
+    def _rendezvous(self) -> RendezvousInfo:
+        t0 = time.monotonic()
+        with self._guard.waiting():
+            info = self._handler.next_rendezvous()
+        self._store = info.store
+        self._notify("elastic_rendezvous_complete", info=info, duration=time.monotonic() - t0)
+        return info
+
+    def _run_attempt(self, info: RendezvousInfo) -> RunResult | None:
+        """Start workers for this round and watch them. None means: rendezvous again."""
+        restarts = int(store_call(info.store.add, RESTARTS_KEY, 0))
+        self._guard.check()
+        error = self._start(info, restarts)
+        if error is not None:
+            self._stop(signal.SIGKILL, 0)
+            return self._one_line_failure(error)
+        outcome, failed = self._monitor()
+        if outcome == "succeeded":
+            return self._succeeded(info)
+        if outcome == "job_failed":
+            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+            return self._final_failure("the job failed on another node")
+        if outcome in ("membership", "lost_node"):
+            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+            self._notify("elastic_restart", group=self._group, reason=outcome)
+            return None
+        return self._on_failure(info, failed)
+
+    def _start(self, info: RendezvousInfo, restarts: int) -> str | None:
+        spec = self._spec
+        group = self._group
+        group.group_rank, group.group_world_size = info.rank, info.world_size
+        group.master_addr, group.master_port = info.master_addr, info.master_port
+        group.restart_count, group.round = restarts, info.round
+        group.workers = assign_ranks(spec, info.rank, info.world_size)
+        if info.members and 0 <= info.rank < len(info.members):
+            self._node_id = info.members[info.rank]
+        run_id = self._handler.get_run_id()
+        if self._layout is None:
+            self._layout = LogLayout(
+                run_id,
+                spec.log_dir,
+                spec.redirects,
+                spec.tee,
+                spec.local_ranks_filter,
+                suffix=self._suffix,
+            )
+        self._logs = self._layout.attempt(restarts, spec.local_world_size)
+        extra = {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals), **spec.extra_env}
+        self._attempts += 1
+        try:
+            for worker in group.workers:
+                logs = self._logs[worker.local_rank]
+                wvars = worker_vars(
+                    group,
+                    worker,
+                    run_id=run_id,
+                    use_agent_store=self._handler.use_agent_store,
+                    error_file=logs.error_file,
+                )
+                args = substitute_args(spec.args, worker.local_rank)
+                proc = start_worker(spec, worker.local_rank, args, wvars, extra, logs)
+                worker.pid = proc.pid
+                self._workers.append(proc)
+        except (OSError, ValueError) as exc:
+            return f"cannot start worker {len(self._workers)}: {exc}"
+        finally:
+            self._tailer = start_tailer(spec.role, self._logs)
+        group.state = WorkerState.HEALTHY
+        self._notify("elastic_workers_started", group=group)
+        return None
+
+    def _monitor(self) -> tuple[str, dict[int, tuple[int, float]]]:
+        """Watch the workers until something happens; sleeps between checks."""
+        next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
+        next_failed = time.monotonic() + FAILED_CHECK_INTERVAL
+        while True:
+            with self._guard.waiting():
+                time.sleep(self._spec.monitor_interval)
+            now = time.time()
+            codes = {w.local_rank: w.poll() for w in self._workers}
+            failed = {r: (c, now) for r, c in codes.items() if c is not None and c != 0}
+            if failed:
+                self._group.state = WorkerState.FAILED
+                return "failed", failed
+            if all(c == 0 for c in codes.values()):
+                self._group.state = WorkerState.SUCCEEDED
+                return "succeeded", {}
+            mono = time.monotonic()
+            if mono >= next_failed:
+                next_failed = mono + FAILED_CHECK_INTERVAL
+                if self._job_failed():
+                    return "job_failed", {}
+            if mono >= next_membership:
+                next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
+                if store_call(self._handler.num_nodes_waiting) > 0:
+                    return "membership", {}
+                if store_call(self._handler.lost_nodes):
+                    return "lost_node", {}
+
+    # --- endings --------------------------------------------------------------------------
+    def _succeeded(self, info: RendezvousInfo) -> RunResult:
+        values = {w.local_rank: w.return_value() for w in self._workers}
+        self._stop(signal.SIGTERM, 0)  # nothing left running in their groups
+        timeout = float(self._settings.get("exit_barrier_timeout", 300.0))
+        with self._guard.waiting():
+            exit_barrier(info.store, info.round, info.world_size, timeout)
+        with contextlib.suppress(Exception):
+            self._handler.set_closed()
+        if not callable(self._spec.entrypoint):
+            values = {}
+        return RunResult(WorkerState.SUCCEEDED, return_values=values)
+
+    def _on_failure(
+        self, info: RendezvousInfo, failed: dict[int, tuple[int, float]]
+    ) -> RunResult | None:
+        """Record the failed workers, stop the rest, then restart or give up."""
+        workers = {w.local_rank: w for w in self._workers}
+        if self._host_name is None:
+            self._host_name = socket.getfqdn()
+        records = [
+            failure_record(
+                self._group,
+                self._group.workers[rank],
+                workers[rank].pid,
+                code,
+                seen,
+                self._logs[rank],
+                node_id=self._node_id,
+                round_=info.round,
+                host=self._host_name,
+            )
+            for rank, (code, seen) in sorted(failed.items())
+        ]
+        if self._attempts == 1:
+            syntax = script_syntax_error(self._spec.entrypoint, self._spec.args)
+            for record in records if syntax else []:
+                if "SyntaxError" not in record.message:
+                    record.message = syntax
+        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        self._failures = {r.rank: r for r in records}
+        for record in records:
+            store_call(fail.publish, info.store, record)
+            self._notify("elastic_worker_failed", record=record)
+        first = min(records, key=lambda r: r.timestamp)
+        what = f"worker rank {first.rank} (local rank {first.local_rank}) " + (
+            f"was killed by {first.signal}" if first.signal else f"exited with {first.exit_code}"
+        )
+        if self._attempts == 1 and any(map(fail.is_deterministic_startup_failure, records)):
+            self._give_up()
+            return self._final_failure(f"{what} at start-up ({first.message}); not restarting")
+        if claim_restart(info.store, info.round, self._node_id) > self._spec.max_restarts:
+            self._give_up()
+            return self._final_failure(
+                f"{what}; restart budget exhausted (max_restarts={self._spec.max_restarts})"
+            )
+        self._notify("elastic_restart", group=self._group, reason="failure")
+        return None
+
+    def _give_up(self) -> None:
+        assert self._store is not None
+        store_call(self._store.set, FAILED_KEY, "1")
+        with contextlib.suppress(RendezvousError):
+            self._handler.set_closed()
+
+    def _job_failed(self) -> bool:
+        return self._store is not None and bool(store_call(self._store.check, [FAILED_KEY]))
+
+    def _final_failure(self, message: str) -> RunResult:
+        """The run failed for good: one job-wide summary to the error reporting hook."""
+        summary = None
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                records = fail.collect(self._store)
+                if records:
+                    summary = fail.summarize(self._handler.get_run_id(), records)
+        reported = False
+        if summary is not None and self._host is not None:
+            try:
+                impls = self._host.pm.hook.elastic_run_failed.get_hookimpls()
+                self._host.call_strict("elastic_run_failed", summary=summary)
+                reported = bool(impls)
+            except Exception as exc:  # loud, but the exit code must still be right
+                print(f"elastic: failure reporting raised {exc!r}", file=sys.stderr)
+        if not reported:
+            print(f"elastic: run failed: {message}", file=sys.stderr, flush=True)
+        code = summary.exit_code if summary is not None else 1
+        return RunResult(
+            WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
+        )
+
+    def _one_line_failure(self, message: str) -> RunResult:
+        print(f"elastic: {message}", file=sys.stderr, flush=True)
+        return RunResult(WorkerState.FAILED, exit_code=1, message=message)
+
+    # --- helpers --------------------------------------------------------------------------
+    def _stop(self, sig: int, timeout: float) -> None:
+        """Stop every worker (their whole process groups), reap them, stop the tee."""
+        if self._workers:
+            stop_workers(self._workers, sig, timeout)
+        self._workers = []
+        if self._tailer is not None:
+            self._tailer.stop()
+            self._tailer = None
+        if self._group.state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+            self._group.state = WorkerState.STOPPED
+
+    def _notify(self, hook: str, **kwargs: Any) -> None:
+        if self._host is not None:
+            self._host.notify(hook, **kwargs)
