@@ -174,3 +174,35 @@ def test_master_port_in_use(port: int) -> None:
     with pytest.raises(RendezvousConnectionError, match="cannot host"):
         handler.next_rendezvous()
     del busy
+
+
+def test_early_arrival_is_reported_as_waiting_and_status_reads_it(port: int) -> None:
+    """A node that restarts after a failure shows up as waiting on the other node."""
+    handlers = [create_handler(params(r, port, timeout="30")) for r in (0, 1)]
+    node0, node1 = handlers
+    try:
+        rendezvous_all(handlers)
+        assert node0.num_nodes_waiting() == node1.num_nodes_waiting() == 0
+        with ThreadPoolExecutor(1) as pool:
+            again = pool.submit(node1.next_rendezvous)  # node 1's workers failed
+            time.sleep(0.3)
+            assert node0.num_nodes_waiting() == 1  # node 0's agent stops and rejoins
+            viewer = create_handler(
+                RendezvousParameters(
+                    backend="static",
+                    endpoint=f"127.0.0.1:{port}",
+                    run_id="job1",
+                    min_nodes=1,
+                    max_nodes=1,
+                    read_only=True,
+                )
+            )
+            status = viewer.describe()
+            assert viewer.shutdown()
+            assert (status.state, status.round, status.waiting) == ("waiting", 0, 1)
+            assert [m.rank for m in status.members] == [0, 1]
+            assert status.members[1].node_id == node0.next_rendezvous().members[1]
+            assert again.result(timeout=30).round == 1
+        assert node0.num_nodes_waiting() == 0
+    finally:
+        assert all(rendezvous_all_shutdown(handlers))

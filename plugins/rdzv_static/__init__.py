@@ -91,6 +91,21 @@ def _positive(params: RendezvousParameters, key: str, default: float) -> float:
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Entry point of the ``static`` backend: validate ``params`` and build the handler."""
     params.check_keys(ACCEPTED_KEYS)
+    if params.read_only:  # `elastic status`: no node rank, never hosts; describe() only
+        from elastic.plugins.rdzv_static.handler import StaticRendezvousHandler
+
+        master_addr, master_port = parse_endpoint(params.endpoint)
+        return StaticRendezvousHandler(
+            run_id=params.run_id,
+            rank=-1,
+            world_size=params.max_nodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            timeout=_positive(params, "timeout", DEFAULT_TIMEOUT),
+            shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT,
+            local_addr=params.local_addr,
+            read_only=True,
+        )
     if params.min_nodes != params.max_nodes:
         raise RendezvousConfigError(
             "the static rendezvous backend needs a fixed number of nodes: --nnodes=N, "

@@ -15,6 +15,7 @@ Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
     rdzv/round/<r>/complete         true once every node registered (or the closed marker)
     rdzv/round/<r>/assignment       {"round", "master_addr", "master_port", "world_size",
                                      "members"}  (or the closed marker)
+    rdzv/latest                     the last assignment, with every node's record and time
     rdzv/closed                     true once set_closed was called
     rdzv/finished, rdzv/finished_all   shutdown counter and its "everyone is done" flag
 """
@@ -30,30 +31,33 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.core.rendezvous import (
+    JobStatus,
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
 from elastic.core.store import Store, StoreTimeoutError
+from elastic.plugins.rdzv_static import status
 from elastic.plugins.rdzv_static import store as tcp
+from elastic.plugins.rdzv_static.store import (
+    ARRIVALS,
+    CLOSED,
+    FINISHED,
+    FINISHED_ALL,
+    LATEST,
+    round_key,
+)
 
 log = logging.getLogger(__name__)
 
-ARRIVALS = "rdzv/arrivals"
-CLOSED = "rdzv/closed"
-FINISHED = "rdzv/finished"
-FINISHED_ALL = "rdzv/finished_all"
 _CLOSED_MARKER = json.dumps({"closed": True})
 # Several handlers may live in one process (tests, embedding): keep node ids distinct.
 _local_ids = itertools.count()
-
-
-def round_key(round_: int, name: str) -> str:
-    return f"rdzv/round/{round_}/{name}"
 
 
 def load_json(store: Store, key: str, prefix: str = "") -> Any:
@@ -82,6 +86,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         timeout: float,
         shutdown_timeout: float,
         local_addr: str | None = None,
+        read_only: bool = False,
     ) -> None:
         self.run_id = run_id
         self.rank = rank
@@ -97,6 +102,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         self._store: tcp.PrefixedTorchStore | None = None
         self._round: int | None = None
         self._closed = False
+        self.read_only = read_only  # made by `elastic status`: describe() only
 
     # -- connection ---------------------------------------------------------------
 
@@ -135,6 +141,8 @@ class StaticRendezvousHandler(RendezvousHandler):
         return self.run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if self.read_only:
+            raise RendezvousError("a read-only static rendezvous handler cannot join a job")
         if self._closed:
             raise RendezvousClosedError(f"the static rendezvous of run {self.run_id!r} is closed")
         store = self._connect()
@@ -179,13 +187,14 @@ class StaticRendezvousHandler(RendezvousHandler):
             store.set(round_key(round_, "complete"), "true")
 
     def _publish(self, store: Store, round_: int) -> dict[str, Any]:
-        members = []
+        nodes = []
         for rank in range(self.world_size):
             key = round_key(round_, f"node/{rank}")
             node = load_json(store, key, self.prefix)
             if not isinstance(node, dict) or not isinstance(node.get("node_id"), str):
                 raise RendezvousStateError(f"static rendezvous key {self.prefix + key!r}: {node!r}")
-            members.append(node["node_id"])
+            nodes.append(node)
+        members = [node["node_id"] for node in nodes]
         assignment = {
             "round": round_,
             "master_addr": self.master_addr,
@@ -193,6 +202,7 @@ class StaticRendezvousHandler(RendezvousHandler):
             "world_size": self.world_size,
             "members": members,
         }
+        store.set(LATEST, status.latest_record(assignment, nodes))  # for `elastic status`
         store.set(round_key(round_, "assignment"), json.dumps(assignment))
         return assignment
 
@@ -238,7 +248,25 @@ class StaticRendezvousHandler(RendezvousHandler):
             log.warning("could not mark the static rendezvous closed: %s", exc)
 
     def num_nodes_waiting(self) -> int:
-        return 0  # fixed membership: nobody can be waiting to join
+        """Nodes already waiting in the next round: another node's workers failed.
+
+        Membership is fixed, so the only way a node arrives early is that it restarted
+        after a failure; answering > 0 makes this node's agent stop its workers (which
+        may be stuck in a collective with the dead ones) and join that round.
+        """
+        if self._store is None or self._round is None:
+            return 0
+        arrivals = self._store.add(ARRIVALS, 0)
+        return max(0, arrivals - (self._round + 1) * self.world_size)
+
+    def describe(self) -> JobStatus:
+        return status.describe(
+            run_id=self.run_id,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            prefix=self.prefix,
+            timeout=self.timeout.total_seconds(),
+        )
 
     def shutdown(self) -> bool:
         store = self._store

@@ -16,6 +16,17 @@ from typing import Any
 from elastic.core.rendezvous import RendezvousConnectionError
 from elastic.core.store import StoreTimeoutError
 
+# The store layout, every key under "<run_id>/" (see handler.py's docstring).
+ARRIVALS = "rdzv/arrivals"
+CLOSED = "rdzv/closed"
+LATEST = "rdzv/latest"
+FINISHED = "rdzv/finished"
+FINISHED_ALL = "rdzv/finished_all"
+
+
+def round_key(round_: int, name: str) -> str:
+    return f"rdzv/round/{round_}/{name}"
+
 
 def _first_line(exc: BaseException) -> str:
     # torch's C++ errors carry a multi-line backtrace; users need only the first line.
