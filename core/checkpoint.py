@@ -78,7 +78,12 @@ def get_factory(name: str) -> CheckpointerFactory:
     if len(candidates) > 1:
         # Which one wins would depend on sys.path order: refuse rather than guess.
         origins = " and ".join(
-            f"{ep.dist.metadata['Name'] if ep.dist else '?'} ({ep.value})" for ep in candidates
+            sorted(
+                f"{ep.dist.metadata['Name']}=={ep.dist.version} ({ep.value})"
+                if ep.dist
+                else f"? ({ep.value})"
+                for ep in candidates
+            )
         )
         raise CheckpointerNotFoundError(f"checkpointer {name!r} is claimed by {origins}")
     try:
