@@ -12,11 +12,10 @@ from typing import Any
 
 import elastic
 import pytest
+from conftest import free_port
 from elastic.core import checkpoint as ckpt
 from elastic.plugins.checkpoint_fs import FsCheckpointer
 from elastic.training.state import State
-
-from tests.conftest import free_port
 
 
 @pytest.fixture(autouse=True)
