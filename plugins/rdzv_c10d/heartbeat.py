@@ -1,0 +1,188 @@
+"""The background thread: heartbeats, liveness, scale-up and close detection.
+
+It has its own store connection (a TCPStore client serialises its operations, so a long
+``wait`` in ``next_rendezvous`` would otherwise hold the heartbeat back). Each tick costs a
+node a handful of operations whatever N is: its own heartbeat, ``check``s on ``closed``, on
+the next round's counter and on this round's ``lost`` key, and one liveness read: rank 0
+reads every member's heartbeat in one ``multi_get``, every other member reads rank 0's
+only. So a round costs O(N) operations per interval, never O(N^2). The agent's frequent
+``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return cached values.
+
+Liveness compares heartbeat *values*, not clocks: a member is lost when its value has not
+changed for ``heartbeat_timeout`` of our own time and over several of our reads, so neither
+clock skew nor this thread being starved on a loaded machine looks like a dead node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStateError
+from elastic.plugins.rdzv_c10d import records as R
+from elastic.plugins.rdzv_c10d.store import PrefixStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seen:
+    value: bytes
+    changed_at: float  # our monotonic clock
+    unchanged_reads: int = 0
+
+
+class LivenessTracker:
+    """Which of the watched nodes stopped changing their heartbeat value."""
+
+    def __init__(self, timeout: float, interval: float) -> None:
+        self.timeout = timeout
+        self.min_reads = max(2, int(timeout / interval) - 1)
+        self._seen: dict[str, _Seen] = {}
+
+    def update(self, values: dict[str, bytes], now: float) -> tuple[list[str], list[str]]:
+        """Feed fresh values; returns (stale node ids, node ids that shut down cleanly)."""
+        stale, done = [], []
+        for node, value in values.items():
+            if value == R.DONE:
+                done.append(node)
+                continue
+            seen = self._seen.get(node)
+            if seen is None or seen.value != value:
+                self._seen[node] = _Seen(value, now)
+                continue
+            seen.unchanged_reads += 1
+            if now - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
+                stale.append(node)
+        return stale, done
+
+
+class Monitor:
+    def __init__(self, store: PrefixStore, node_id: str, interval: float, timeout: float) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.interval = interval
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        self._beating = True
+        # What the agent reads (cached, under _lock).
+        self.error: Exception | None = None
+        self.closed = False
+        self.waiting = 0
+        self.lost: list[str] = []
+        # What to watch: the round we are a member of, or a forming round's coordinator.
+        self._round: R.Assignment | None = None
+        self._rank: int | None = None
+        self._tracker = LivenessTracker(timeout, interval)
+        self._watch: tuple[int, str] | None = None
+        self._watch_tracker = LivenessTracker(timeout, interval)
+
+    # -- control (agent thread) ----------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.beat()  # exists before we join, so a coordinator can read it at once
+        self._thread = threading.Thread(
+            target=self._run, name=f"c10d-heartbeat-{self.node_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5)
+
+    def suspend_heartbeats(self) -> None:
+        """Stop beating but keep watching (how tests simulate a hung node)."""
+        self._beating = False
+
+    def set_round(self, asg: R.Assignment | None, rank: int | None) -> None:
+        with self._lock:
+            self._round, self._rank = asg, rank
+            self._tracker = LivenessTracker(self.timeout, self.interval)
+            self.waiting, self.lost = 0, []
+
+    def set_watch(self, watch: tuple[int, str] | None) -> None:
+        with self._lock:
+            self._watch = watch
+            self._watch_tracker = LivenessTracker(self.timeout, self.interval)
+
+    # -- the thread ----------------------------------------------------------------
+    def beat(self) -> None:
+        if self._beating:
+            self._seq += 1
+            self.store.set(R.hb_key(self.node_id), f"{self._seq} {time.time():.3f}")
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.interval
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            # After a stall, carry on from now rather than bursting to catch up.
+            next_tick = max(next_tick + self.interval, time.monotonic())
+            try:
+                self._tick()
+            except (RendezvousConnectionError, RendezvousStateError) as exc:
+                with self._lock:
+                    self.error = exc
+                log.error("c10d rendezvous heartbeat stopped: %s", exc)
+                return
+            except Exception as exc:  # a bug must surface to the agent, not kill silently
+                log.exception("c10d rendezvous heartbeat failed")
+                with self._lock:
+                    self.error = RendezvousConnectionError(f"heartbeat thread failed: {exc}")
+                return
+
+    def _tick(self) -> None:
+        self.beat()
+        closed = self.store.check([R.CLOSED])
+        with self._lock:
+            asg, rank, watch = self._round, self._rank, self._watch
+        waiting, lost = 0, None
+        if asg is not None and rank is not None:
+            nxt = R.count_key(asg.round + 1)
+            if self.store.check([nxt]):
+                waiting = self.store.add(nxt, 0)
+            lost = self._check_members(asg, rank)
+        if watch is not None:
+            self._check_coordinator(*watch)
+        with self._lock:
+            if asg is self._round:  # not replaced by a new round meanwhile
+                self.closed = closed
+                self.waiting = waiting
+                if lost is not None:
+                    self.lost = lost
+
+    def _check_members(self, asg: R.Assignment, rank: int) -> list[str]:
+        # Rank 0 watches everyone; everyone watches rank 0.
+        targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
+        values = self.store.multi_get([R.hb_key(m) for m in targets])
+        stale, _ = self._tracker.update(dict(zip(targets, values, strict=True)), time.monotonic())
+        key = R.lost_key(asg.round)
+        published: list[str] = []
+        if self.store.check([key]):
+            value = R.loads(self.store.get(key), self.store.prefix + key)
+            published = [str(v) for v in value] if isinstance(value, list) else []
+        new = sorted(set(stale) - set(published))
+        if new:
+            merged = sorted(set(published) | set(new))
+            log.warning("round %d: lost heartbeat of %s", asg.round, ", ".join(new))
+            # Publishing wakes every survivor (their next tick sees this key).
+            self.store.set(key, R.dumps(merged))
+            published = merged
+        return published
+
+    def _check_coordinator(self, rnd: int, coordinator: str) -> None:
+        value = self.store.multi_get([R.hb_key(coordinator)])[0]
+        stale, done = self._watch_tracker.update({coordinator: value}, time.monotonic())
+        if stale or done:
+            log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
+            # The same compare_set a coordinator publishes with: exactly one outcome wins,
+            # and it wakes everyone waiting for this round.
+            abandoned = R.Assignment(round=rnd, state="abandoned").to_json(None, "")
+            self.store.compare_set(R.assignment_key(rnd), "", abandoned)
+            with self._lock:
+                self._watch = None

@@ -1,0 +1,256 @@
+"""The round algorithm: O(N) store operations per round in total.
+
+A joiner takes a slot with one ``add`` on the round's counter and writes its own join
+record; the lowest valid slot coordinates: it polls the counter (cheap: one node), reads
+the new records in one ``multi_get``, decides when the round is complete and publishes one
+assignment with ``compare_set``. Everyone else blocks in one server-side ``wait`` on that
+key. The same ``compare_set`` is how a round is abandoned (dead coordinator, timeout) or
+closed, so a waiter is always woken by exactly one key and nothing polls in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from elastic.core.rendezvous import (
+    RendezvousClosedError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from elastic.core.store import StoreTimeoutError
+from elastic.plugins.rdzv_c10d import records as R
+from elastic.plugins.rdzv_c10d.settings import Settings
+from elastic.plugins.rdzv_c10d.store import PrefixStore, free_port
+
+log = logging.getLogger(__name__)
+
+
+class RoundProtocol:
+    def __init__(
+        self,
+        store: PrefixStore,
+        settings: Settings,
+        run_id: str,
+        node: dict[str, Any],
+        watch: Callable[[tuple[int, str] | None], None],
+    ) -> None:
+        self.store = store
+        self.s = settings
+        self.run_id = run_id
+        self.node = node  # id, host, addr, pid, fp, rank_hint
+        self.node_id: str = node["id"]
+        self._watch = watch  # tells the heartbeat thread whose liveness to watch
+
+    # -- reading state ----------------------------------------------------------------
+    def full(self, key: str) -> str:
+        return self.store.prefix + key
+
+    def current_round(self) -> int:
+        raw = self.store.compare_set(R.ROUND, "", "0")  # creates it at 0, or reads it
+        try:
+            return int(raw)
+        except ValueError:
+            raise RendezvousStateError(
+                f"rendezvous state key {self.full(R.ROUND)!r} is not a round number: "
+                f"{bytes(raw[:60])!r}"
+            ) from None
+
+    def read_assignment(self, rnd: int) -> R.Assignment | None:
+        key = R.assignment_key(rnd)
+        if rnd < 0 or not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        return R.Assignment.from_json(raw, self.full(key), self.s.token, self.run_id)
+
+    def read_lost(self, rnd: int) -> list[str]:
+        key = R.lost_key(rnd)
+        if rnd < 0 or not self.store.check([key]):
+            return []
+        value = R.loads(self.store.get(key), self.full(key))
+        if not isinstance(value, list):
+            raise RendezvousStateError(f"rendezvous state key {self.full(key)!r} is not a list")
+        return [str(v) for v in value]
+
+    def is_closed(self) -> bool:
+        return self.store.check([R.CLOSED])
+
+    def _raise_if_closed(self) -> None:
+        if self.is_closed():
+            raise RendezvousClosedError(
+                f"the rendezvous of run {self.run_id!r} is closed (the job has finished)"
+            )
+
+    def publish(self, rnd: int, asg: R.Assignment) -> R.Assignment:
+        """compare_set the round's outcome; returns whichever outcome won."""
+        desired = asg.to_json(self.s.token, self.run_id).encode()
+        held = self.store.compare_set(R.assignment_key(rnd), "", desired)
+        if held == desired:
+            return asg
+        return R.Assignment.from_json(
+            held, self.full(R.assignment_key(rnd)), self.s.token, self.run_id
+        )
+
+    def set_closed(self) -> None:
+        self.store.set(R.CLOSED, "1")
+        rnd = self.current_round()
+        # Wake whoever waits on an unformed round; a formed one learns it by heartbeat.
+        self.publish(rnd, R.Assignment(round=rnd, state="closed"))
+
+    # -- joining ----------------------------------------------------------------------
+    def next_round(self) -> R.Assignment:
+        deadline = time.monotonic() + self.s.join_timeout
+        while True:
+            self._raise_if_closed()
+            rnd = self.current_round()
+            asg = self.read_assignment(rnd)
+            if asg is None:
+                target = rnd
+            elif asg.state == "closed":
+                self._raise_if_closed()
+                target = rnd + 1
+            elif asg.state == "abandoned":
+                target = rnd + 1
+            elif self.node_id in asg.members or len(asg.members) < self.s.max_nodes:
+                # A member asking again wants a new round; a newcomer to a job with room
+                # joins the next one, which members see as num_nodes_waiting() > 0.
+                target = rnd + 1
+            else:
+                self._standby(rnd, deadline)  # full job: wait until someone re-forms it
+                continue
+            if target != rnd:
+                self.store.compare_set(R.ROUND, str(rnd), str(target))
+            result = self._join(target, deadline)
+            if result is not None:
+                return result
+
+    def _standby(self, rnd: int, deadline: float) -> None:
+        pause = min(0.25, self.s.heartbeat_interval)
+        while not self.store.check([R.count_key(rnd + 1)]):
+            self._raise_if_closed()
+            if time.monotonic() >= deadline:
+                raise self._timeout("the job is full (max_nodes) and never re-formed")
+            time.sleep(pause)
+
+    def _timeout(self, why: str) -> RendezvousTimeoutError:
+        return RendezvousTimeoutError(
+            f"rendezvous of run {self.run_id!r} did not complete within join_timeout="
+            f"{self.s.join_timeout:g}s: {why}"
+        )
+
+    def _join(self, rnd: int, deadline: float) -> R.Assignment | None:
+        record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
+        record = R.signed(self.s.token, self.run_id, record)
+        slot = self.store.add(R.count_key(rnd), 1)
+        self.store.set(R.join_key(rnd, slot), R.dumps(record))
+        coordinator = self._find_coordinator(rnd, slot)
+        if coordinator is None:
+            asg = self._coordinate(rnd, deadline)
+        else:
+            self._watch((rnd, coordinator))
+            try:
+                asg = self._await(rnd, deadline)
+            finally:
+                self._watch(None)
+        if asg.state == "closed":
+            self._raise_if_closed()
+        if asg.state != "formed" or self.node_id not in asg.members:
+            return None  # abandoned, or formed without us: go round again
+        return asg
+
+    def _read_slots(self, rnd: int, first: int, last: int) -> list[dict[str, Any]]:
+        """The valid join records in slots first..last, in slot order."""
+        keys = [R.join_key(rnd, i) for i in range(first, last + 1)]
+        if not keys:
+            return []
+        try:  # a slot is written right after it is taken: this wait is short
+            self.store.wait(keys, timedelta(seconds=self.s.read_timeout))
+        except StoreTimeoutError:  # a joiner died between add and set: skip its slot
+            keys = [k for k in keys if self.store.check([k])]
+        out = []
+        for key, raw in zip(keys, self.store.multi_get(keys), strict=True):
+            record = R.loads(raw, self.full(key))
+            if not R.valid_join(record, rnd):
+                log.warning("ignoring malformed join record at %s", self.full(key))
+            elif not R.verify(self.s.token, self.run_id, record):
+                log.warning(
+                    "ignoring join record at %s from %r: no valid signature for this job's token",
+                    self.full(key),
+                    record.get("host"),
+                )
+            else:
+                out.append(record)
+        return out
+
+    def _find_coordinator(self, rnd: int, slot: int) -> str | None:
+        """The lowest valid slot coordinates; None when that is us."""
+        for i in range(1, slot):
+            found = self._read_slots(rnd, i, i)
+            if found:
+                return str(found[0]["id"])
+        return None
+
+    def _await(self, rnd: int, deadline: float) -> R.Assignment:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout("no assignment was published")
+        try:
+            self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining))
+        except StoreTimeoutError:
+            raise self._timeout("no assignment was published") from None
+        asg = self.read_assignment(rnd)
+        assert asg is not None
+        return asg
+
+    def _coordinate(self, rnd: int, deadline: float) -> R.Assignment:
+        prev = self.read_assignment(rnd - 1)
+        prev_members = prev.members if prev is not None and prev.state == "formed" else []
+        # Survivors of the last round we are waiting for; once all are here there is
+        # nobody known to wait for, so the last call is skipped (fast re-forming).
+        expected = set(prev_members) - set(self.read_lost(rnd - 1))
+        joined: list[dict[str, Any]] = []
+        seen, min_at, pause = 0, None, 0.002
+        while True:
+            if self.is_closed():
+                self.publish(rnd, R.Assignment(round=rnd, state="closed"))
+                self._raise_if_closed()
+            count = self.store.add(R.count_key(rnd), 0)
+            if count > seen:
+                joined += self._read_slots(rnd, seen + 1, count)
+                seen = count
+            ids = {rec["id"] for rec in joined}
+            now = time.monotonic()
+            if len(ids) >= self.s.max_nodes:
+                break
+            if len(ids) >= self.s.min_nodes:
+                min_at = now if min_at is None else min_at
+                if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
+                    break
+            if now >= deadline:
+                self.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
+                raise self._timeout(f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
+        asg = R.Assignment(
+            round=rnd,
+            state="formed",
+            members=[rec["id"] for rec in chosen],
+            master_addr=chosen[0]["addr"],
+            master_port=chosen[0]["port"],
+            formed_at=time.time(),
+            coordinator=self.node_id,
+            fingerprint=dict(chosen[0].get("fp") or {}),
+        )
+        log.info(
+            "round %d of run %r formed: %d node(s), master %s:%d",
+            rnd,
+            self.run_id,
+            len(chosen),
+            asg.master_addr,
+            asg.master_port,
+        )
+        return self.publish(rnd, asg)

@@ -1,0 +1,195 @@
+"""Hosting or reaching the job's ``torch.distributed.TCPStore``, and a key-prefixing view.
+
+torch is imported inside functions only: importing this plugin must stay cheap, and only
+creating a handler pays for torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from elastic.core.rendezvous import RendezvousConfigError, RendezvousConnectionError
+from elastic.core.store import StoreTimeoutError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29400
+
+T = TypeVar("T")
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """``host[:port]`` or ``[v6addr]:port`` -> (host, port)."""
+    text = endpoint.strip()
+    if not text:
+        raise RendezvousConfigError("the c10d backend needs --rdzv-endpoint=HOST[:PORT]")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:  # a bare host name, or a bare IPv6 address without brackets
+        host, port_text = text, ""
+    if not port_text:
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r} has a bad port") from None
+    if not 0 < port < 65536:
+        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r}: port out of range")
+    return host, port
+
+
+def resolve(host: str, port: int) -> list[tuple[int, str]]:
+    """(family, address) pairs for ``host``, IPv4 first (what other nodes most likely use)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RendezvousConnectionError(f"cannot resolve rendezvous host {host!r}: {exc}") from None
+    seen: list[tuple[int, str]] = []
+    for family, _, _, _, addr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
+        pair = (family, str(addr[0]))
+        if pair not in seen:
+            seen.append(pair)
+    return seen
+
+
+def try_listen(host: str, port: int) -> socket.socket | None:
+    """A listening socket on the endpoint's own address, or None when this machine cannot
+    host it (the address is not ours, or another agent here already listens on it)."""
+    for family, addr in resolve(host, port):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # REUSEADDR only lets us past TIME_WAIT leftovers; a live listener still wins.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+            sock.listen(1024)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                raise
+    return None
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to the store: reachable by the other nodes."""
+    for family, addr in resolve(host, port):
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect((addr, port))  # UDP: picks a route, sends nothing
+                return str(sock.getsockname()[0])
+            except OSError:
+                continue
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(addr: str) -> int:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return int(sock.getsockname()[1])
+
+
+def host_store(sock: socket.socket, host: str, port: int, timeout: float) -> Any:
+    """Serve a TCPStore on an already bound socket, so it listens on that address only
+    (TCPStore's own master binds every interface)."""
+    from torch.distributed import TCPStore
+
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=fd,
+        use_libuv=True,
+    )
+
+
+def connect_store(host: str, port: int, timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port, None, False, timedelta(seconds=timeout), use_libuv=True)
+    except Exception as exc:  # DistNetworkError / RuntimeError from the C++ client
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {host}:{port}: {first_line(exc)}"
+        ) from None
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """torch raises DistStoreError for a wait/get that timed out, DistNetworkError (and
+    plain RuntimeError) when the connection is gone."""
+    name = type(exc).__name__
+    return name == "DistStoreError" or "timeout" in str(exc).lower() and name != "DistNetworkError"
+
+
+class PrefixStore:
+    """A ``Store`` view adding a key prefix and turning torch's errors into ours:
+    ``StoreTimeoutError`` for timeouts, ``RendezvousConnectionError`` for a lost store."""
+
+    def __init__(self, store: Any, prefix: str, where: str) -> None:
+        self._store = store
+        self.prefix = prefix
+        self.where = where  # "host:port", for messages
+
+    def sub(self, prefix: str) -> PrefixStore:
+        return PrefixStore(self._store, self.prefix + prefix, self.where)
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if is_timeout(exc):
+                raise StoreTimeoutError(first_line(exc)) from None
+            raise RendezvousConnectionError(
+                f"lost the rendezvous store at {self.where} (did the hosting agent die?): "
+                f"{first_line(exc)}"
+            ) from None
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call(self._store.set, self._k(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self._call(self._store.get, self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(self._store.add, self._k(key), amount))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._call(self._store.compare_set, self._k(key), expected, desired)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        full = [self._k(k) for k in keys]
+        if timeout is None:
+            self._call(self._store.wait, full)
+        else:
+            self._call(self._store.wait, full, timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._call(self._store.check, [self._k(k) for k in keys]))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(self._store.delete_key, self._k(key)))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """One round trip for many keys (they must exist, or it blocks until timeout)."""
+        if not keys:
+            return []
+        return list(self._call(self._store.multi_get, [self._k(k) for k in keys]))
