@@ -1,0 +1,231 @@
+"""The ``etcd`` rendezvous backend: torchelastic's original etcd v2 protocol.
+
+See ``protocol.py`` for the state machine. ``--rdzv-conf`` keys: protocol, cacert, cert,
+key, username, password, etcd_prefix, timeout, last_call_timeout, keep_alive_ttl,
+read_timeout, retry_timeout. ``RendezvousInfo.store`` is an etcd ``Store`` under
+``<etcd_prefix>/run_<id>/store`` (job-wide, so it outlives rounds).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import etcd
+from elastic.core.rendezvous import (
+    JobStatus,
+    MemberStatus,
+    RendezvousConfigError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+from elastic.plugins.rdzv_etcd.client import (
+    CONNECTION_KEYS,
+    EtcdClient,
+    check_reachable,
+    client_from_params,
+)
+from elastic.plugins.rdzv_etcd.common import (
+    KeepAlive,
+    check_fingerprint,
+    local_host,
+    node_id,
+    pick_free_port,
+    ttl_seconds,
+)
+from elastic.plugins.rdzv_etcd.protocol import EtcdRendezvous
+from elastic.plugins.rdzv_etcd.store import EtcdStore
+
+ACCEPTED_KEYS = (
+    *CONNECTION_KEYS,
+    "cacert",
+    "cert",
+    "key",
+    "etcd_prefix",
+    "timeout",
+    "last_call_timeout",
+    "keep_alive_ttl",
+)
+DEFAULT_PREFIX = "/elastic/etcd"
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters, client: EtcdClient) -> None:
+        self.params = params
+        self.client = client
+        timeout = params.get_as_float("timeout", 600.0) or 600.0
+        last_call = params.get_as_float("last_call_timeout", 30.0)
+        ttl = params.get_as_float("keep_alive_ttl", 5.0) or 5.0
+        if timeout <= 0 or last_call is None or last_call < 0 or ttl <= 0:
+            raise RendezvousConfigError("timeout, keep_alive_ttl must be > 0, last_call >= 0")
+        self.keep_alive_ttl = ttl_seconds(ttl)
+        self.keepalive = KeepAlive(client, interval=max(0.2, self.keep_alive_ttl / 3))
+        self.rdzv = EtcdRendezvous(
+            client,
+            self.keepalive,
+            prefix=params.get("etcd_prefix", DEFAULT_PREFIX) or DEFAULT_PREFIX,
+            run_id=params.run_id,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            timeout=timeout,
+            last_call_timeout=last_call,
+            keep_alive_ttl=self.keep_alive_ttl,
+        )
+        self.host = local_host(params.local_addr)
+        self.node = node_id(self.host)
+        self.store = EtcdStore(client, self.rdzv.path("/store"))
+        self.store.timeout = timedelta(seconds=max(60.0, timeout))
+        self._round: tuple[str, list[str], list[str]] | None = None  # version, ids, leases
+        self._lost: tuple[str, ...] = ()
+        self._waiting = 0
+        self._watcher: threading.Thread | None = None
+        self._stop_watch = threading.Event()
+        if not params.read_only:
+            self.rdzv.setup()
+
+    def get_backend(self) -> str:
+        return "etcd"
+
+    def get_run_id(self) -> str:
+        return self.params.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.params.read_only:
+            raise RendezvousError("a read-only (status) etcd handler cannot join")
+        self._stop_watcher()
+        check_fingerprint(
+            self.client,
+            self.rdzv.path("/fingerprint"),
+            self.params.fingerprint,
+            self.params.allow_mismatch,
+        )
+        me = {"node_id": self.node, "host": self.host, "port": pick_free_port()}
+        state, rank = self.rdzv.barrier(me)
+        members = [p["node_id"] for p in state["participants"]]
+        rank0 = state["participants"][0]
+        leases = [
+            self.rdzv.path(f"/rdzv/v_{state['version']}/rank_{r}") for r in range(len(members))
+        ]
+        self._round = (state["version"], members, leases)
+        self._lost, self._waiting = (), 0
+        self._stop_watch = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="etcd-monitor", daemon=True)
+        self._watcher.start()
+        return RendezvousInfo(
+            store=self.store,
+            rank=rank,
+            world_size=len(members),
+            master_addr=str(rank0["host"]),
+            master_port=int(rank0["port"]),
+            round=int(state["version"]),
+            members=members,
+        )
+
+    def is_closed(self) -> bool:
+        try:
+            _, state = self.rdzv.get_state()
+        except etcd.EtcdKeyNotFound:
+            return False
+        return state.get("status") == "closed"
+
+    def set_closed(self) -> None:
+        if self.params.read_only:
+            raise RendezvousError("a read-only (status) etcd handler cannot close the job")
+        self.rdzv.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._waiting
+
+    def lost_nodes(self) -> list[str]:
+        return list(self._lost)
+
+    def shutdown(self) -> bool:
+        """As torchrun: closes the rendezvous, then stops the background threads."""
+        ok = True
+        if not self.params.read_only:
+            try:
+                self.set_closed()
+            except Exception:  # noqa: BLE001 - reported through the result
+                ok = False
+        self._stop_watcher()
+        self.keepalive.stop()
+        return ok
+
+    # -- liveness of the current round (cached for the agent's 0.1 s polling) ------------
+    def _stop_watcher(self) -> None:
+        self._stop_watch.set()
+        self._watcher = None
+
+    def _watch(self) -> None:
+        assert self._round is not None
+        version, members, leases = self._round
+        stop = self._stop_watch
+        while not stop.is_set():
+            try:
+                active, state = self.rdzv.get_state()
+                alive = self.rdzv.live_keys(version)
+            except etcd.EtcdKeyNotFound:
+                active, state, alive = None, {}, set()
+            except (RendezvousError, etcd.EtcdException):
+                stop.wait(0.5)
+                continue
+            closed = state.get("status") == "closed"
+            # Every member wrote its keep-alive before the round became final, so a
+            # missing one means expired (dead) or deleted (left).
+            lost = [
+                node
+                for node, lease in zip(members, leases, strict=True)
+                if node != self.node and lease not in alive
+            ]
+            self._lost = () if closed else tuple(lost)
+            same = state.get("status") == "final" and state.get("version") == version
+            self._waiting = int(state.get("num_workers_waiting", 0)) if same else 0
+            index = active.etcd_index + 1 if active is not None else None
+            self.client.watch(self.rdzv.path("/rdzv"), index, 1.0, recursive=True)
+
+    def describe(self) -> JobStatus:
+        """Read-only: one read of the state and one of the round's keep-alives."""
+        try:
+            _, state = self.rdzv.get_state()
+        except etcd.EtcdKeyNotFound:
+            state = {}
+        status = state.get("status")
+        version = state.get("version")
+        participants: list[dict[str, Any]] = state.get("participants", [])
+        alive = self.rdzv.live_keys(version) if version else set()
+        leases = [self.rdzv.path(f"/rdzv/v_{version}/rank_{r}") for r in range(len(participants))]
+        members = [
+            MemberStatus(
+                node_id=p["node_id"],
+                host=p.get("host", ""),
+                rank=rank,
+                pid=None,
+                local_world_size=None,
+                heartbeat_age=0.0 if leases[rank] in alive else None,
+            )
+            for rank, p in enumerate(participants)
+        ]
+        return JobStatus(
+            run_id=self.params.run_id,
+            backend="etcd",
+            state="closed" if status == "closed" else "running" if status == "final" else "waiting",
+            round=int(version or 0),
+            round_formed_at=None,
+            min_nodes=self.params.min_nodes,
+            max_nodes=self.params.max_nodes,
+            members=members,
+            waiting=int(state.get("num_workers_waiting", 0)) if status == "final" else 0,
+        )
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    params.check_keys(ACCEPTED_KEYS)
+    client = client_from_params(params, ca_key="cacert", cert_key="cert", key_key="key")
+    check_reachable(client)
+    return EtcdRendezvousHandler(params, client)
+
+
+__all__ = ["ACCEPTED_KEYS", "EtcdRendezvousHandler", "create_handler"]

@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -53,8 +54,9 @@ def loads(text: str | None, key: str) -> Any:
 
 
 class KeepAlive:
-    """A daemon thread refreshing TTL'd keys (join records, heartbeats) every ``interval``.
+    """A daemon thread refreshing TTL'd keys (join records, heartbeats, the run's subroot).
 
+    Each key is refreshed every ``period`` (default: the thread's ``interval``).
     ``refresh=true`` writes do not notify watchers, so heartbeats cost no wake-ups; a key
     that already expired (a long stall) is dropped: its owner's peers treat it as gone.
     """
@@ -62,31 +64,37 @@ class KeepAlive:
     def __init__(self, client: EtcdClient, interval: float) -> None:
         self.client = client
         self.interval = interval
-        self._keys: dict[str, int] = {}
+        self._keys: dict[str, tuple[int, float, float]] = {}  # key -> (ttl, period, due)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etcd-keepalive", daemon=True)
         self._thread.start()
 
-    def add(self, key: str, ttl: int) -> None:
+    def add(self, key: str, ttl: int, period: float | None = None) -> None:
+        every = period or self.interval
         with self._lock:
-            self._keys[key] = ttl
+            self._keys[key] = (ttl, every, time.monotonic() + every)
 
     def remove(self, key: str) -> None:
         with self._lock:
             self._keys.pop(key, None)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(min(self.interval, 0.5)):
+            now = time.monotonic()
             with self._lock:
-                keys = list(self._keys.items())
-            for key, ttl in keys:
+                due = [(k, ttl, every) for k, (ttl, every, at) in self._keys.items() if at <= now]
+            for key, ttl, every in due:
                 try:
-                    self.client.call("refresh", key, ttl=ttl, retry_for=self.interval)
+                    self.client.call("refresh", key, ttl=ttl, retry_for=every)
                 except etcd.EtcdKeyNotFound:
                     self.remove(key)
+                    continue
                 except (RendezvousConnectionError, etcd.EtcdException):
-                    pass  # etcd briefly away: the next tick retries
+                    pass  # etcd briefly away: try again on the next round
+                with self._lock:
+                    if key in self._keys:
+                        self._keys[key] = (ttl, every, time.monotonic() + every)
 
     def stop(self) -> None:
         self._stop.set()
