@@ -195,7 +195,7 @@ def start_tailer(role: str, logs: dict[int, WorkerLogs], interval: float = 0.1) 
 
 
 def tail_lines(path: str | None, n: int = 20, max_bytes: int = 64 * 1024) -> str:
-    """The last ``n`` lines of a log file ("" when there is none)."""
+    """The last ``n`` non-blank-ended lines of a log file ("" when there is none)."""
     if not path:
         return ""
     try:
@@ -206,7 +206,10 @@ def tail_lines(path: str | None, n: int = 20, max_bytes: int = 64 * 1024) -> str
             data = f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(data.splitlines()[-n:])
+    lines = data.splitlines()
+    while lines and not lines[-1].strip():  # trailing blank lines say nothing
+        lines.pop()
+    return "\n".join(lines[-n:])
 
 
 def _python_script(entrypoint: str, args: tuple[str, ...]) -> str | None:

@@ -168,16 +168,17 @@ def _callable_bootstrap(
     os.setsid()
     die_with_parent(parent_pid)
     os.environ.update(env)
-    for dest, fd, stream in ((stdout, 1, sys.stdout), (stderr, 2, sys.stderr)):
+    for dest, fd, name in ((stdout, 1, "stdout"), (stderr, 2, "stderr")):
         if dest == CONSOLE:
             continue
-        stream.flush()
+        with contextlib.suppress(Exception):
+            getattr(sys, name).flush()
         target = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
+        # A fresh line-buffered stream on the fd: the inherited object may not be one
+        # (a forked test runner's capture), and teed lines should arrive promptly.
+        setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="replace"))  # noqa: SIM115
     try:
         value = fn(*args)
     except BaseException as exc:
