@@ -1,0 +1,385 @@
+"""The c10d rendezvous backend against a real loopback TCPStore, handlers as threads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from conftest import wait_until
+from elastic.core.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from elastic.plugins.rdzv_c10d import create_handler
+from elastic.plugins.rdzv_c10d import records as R
+from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+from elastic.plugins.rdzv_c10d.store import parse_endpoint
+
+FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
+
+Make = Callable[..., C10dRendezvousHandler]
+
+
+@pytest.fixture
+def make(port: int) -> Iterator[Make]:
+    """Creates handlers on this test's port; shuts them all down, the host last."""
+    made: list[C10dRendezvousHandler] = []
+
+    def factory(
+        mn: int = 1, mx: int | None = None, run_id: str = "job", **conf: str
+    ) -> C10dRendezvousHandler:
+        params = RendezvousParameters(
+            "c10d", f"127.0.0.1:{port}", run_id, mn, mx or mn, config={**FAST, **conf}
+        )
+        handler = create_handler(params)
+        assert isinstance(handler, C10dRendezvousHandler)
+        made.append(handler)
+        return handler
+
+    yield factory
+    for h in sorted(made, key=lambda h: h.is_hosting):
+        h.shutdown()
+
+
+def rendezvous_all(handlers: list[C10dRendezvousHandler], timeout: float = 20) -> list[Any]:
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        futures = [pool.submit(h.next_rendezvous) for h in handlers]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def check_round(infos: list[RendezvousInfo], size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(size))
+    assert {i.world_size for i in infos} == {size}
+    assert len({(i.master_addr, i.master_port, i.round, tuple(i.members)) for i in infos}) == 1
+    assert infos[0].master_addr == "127.0.0.1" and infos[0].master_port > 0
+
+
+def test_importing_the_plugin_does_not_import_torch() -> None:
+    code = "import sys, elastic.plugins.rdzv_c10d; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unknown_conf_key_lists_accepted_keys(port: int) -> None:
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "job", 1, 1, config={"timeout": "5"})
+    with pytest.raises(RendezvousConfigError, match="timeout.*accepted:.*last_call_timeout"):
+        create_handler(params)
+
+
+def test_bad_conf_values_are_errors(port: int) -> None:
+    for conf in (
+        {"heartbeat_interval": "2", "heartbeat_timeout": "3"},
+        {"is_host": "maybe"},
+        {"store_type": "file"},
+        {"join_timeout": "-1"},
+    ):
+        params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "j", 1, 1, config=conf)
+        with pytest.raises(RendezvousConfigError):
+            create_handler(params)
+
+
+def test_parse_endpoint() -> None:
+    assert parse_endpoint("node1") == ("node1", 29400)
+    assert parse_endpoint("node1:123") == ("node1", 123)
+    assert parse_endpoint("[::1]:5") == ("::1", 5)
+    with pytest.raises(RendezvousConfigError):
+        parse_endpoint("h:notaport")
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_fixed_size(make: Make, nodes: int) -> None:
+    handlers = [make(nodes) for _ in range(nodes)]
+    assert [h.is_hosting for h in handlers].count(True) == 1
+    infos = rendezvous_all(handlers)
+    check_round(infos, nodes)
+    assert infos[0].round == 0
+    # The job store is shared and namespaced: what one agent writes, all read.
+    infos[0].store.add("agent/restarts", 1)
+    assert int(infos[-1].store.get("agent/restarts")) == 1
+
+
+def test_hosted_store_listens_on_the_endpoint_address_only(make: Make, port: int) -> None:
+    make(1)
+    with socket.socket() as sock:  # 127.0.0.2 is this machine too, but not the endpoint
+        assert sock.connect_ex(("127.0.0.2", port)) != 0
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_min_max_last_call_then_scale_up_with_stable_ranks(make: Make) -> None:
+    conf = {"last_call_timeout": "1"}
+    first = [make(2, 4, **conf) for _ in range(3)]
+    started = time.monotonic()
+    infos = rendezvous_all(first)
+    assert time.monotonic() - started >= 0.9  # the last call waited for more nodes
+    check_round(infos, 3)
+    ranks = {h.node_id: i.rank for h, i in zip(first, infos, strict=True)}
+
+    late = make(2, 4, **conf)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(late.next_rendezvous)
+        assert wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in first), timeout=10)
+        again = rendezvous_all(first)  # what each agent does on num_nodes_waiting() > 0
+        newest = pending.result(timeout=10)
+    check_round([*again, newest], 4)
+    assert newest.round == infos[0].round + 1
+    assert {h.node_id: i.rank for h, i in zip(first, again, strict=True)} == ranks
+    assert newest.rank == 3
+
+
+def test_full_job_keeps_late_node_on_standby(make: Make) -> None:
+    handlers = [make(1, 2, last_call_timeout="0") for _ in range(2)]
+    check_round(rendezvous_all(handlers), 2)
+    extra = make(1, 2, last_call_timeout="0")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(extra.next_rendezvous)
+        time.sleep(1)
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0]  # no restart for it
+        assert not pending.done()
+        extra.set_closed()
+        with pytest.raises(RendezvousClosedError):
+            pending.result(timeout=10)
+
+
+def test_closed_rendezvous_rejects_late_joiners(make: Make) -> None:
+    handlers = [make(2) for _ in range(2)]
+    rendezvous_all(handlers)
+    handlers[0].set_closed()
+    assert wait_until(lambda: all(h.is_closed() for h in handlers), timeout=5)
+    with pytest.raises(RendezvousClosedError):
+        make(2).next_rendezvous()
+
+
+def test_closing_wakes_nodes_waiting_for_a_round(make: Make) -> None:
+    waiting = make(3)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(waiting.next_rendezvous)
+        time.sleep(0.5)
+        make(3).set_closed()
+        with pytest.raises(RendezvousClosedError):
+            pending.result(timeout=10)
+
+
+def test_two_run_ids_on_one_endpoint_never_merge(make: Make) -> None:
+    a = [make(2, run_id="job-a") for _ in range(2)]
+    b = [make(2, run_id="job-b") for _ in range(2)]
+    infos = rendezvous_all([a[0], b[0], a[1], b[1]])
+    check_round([infos[0], infos[2]], 2)
+    check_round([infos[1], infos[3]], 2)
+    assert not set(infos[0].members) & set(infos[1].members)
+
+
+def raw_client(port: int) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), use_libuv=True)
+
+
+def forge_join(port: int, run_id: str, rnd: int, record: dict[str, Any]) -> None:
+    store, prefix = raw_client(port), f"elastic/{run_id}/rdzv/"
+    slot = store.add(prefix + R.count_key(rnd), 1)
+    store.set(prefix + R.join_key(rnd, slot), json.dumps(record))
+    store.set(prefix + R.hb_key(record["id"]), "1 0")  # a heartbeat that never changes
+
+
+def test_forged_join_is_ignored_with_a_token(
+    make: Make, port: int, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    first = make(2, token_file=str(token))  # hosts the store
+    forged = {
+        "id": "evil:1:x",
+        "host": "evil",
+        "addr": "10.9.9.9",
+        "port": 1,
+        "round": 0,
+        "sig": "00" * 32,
+    }
+    forge_join(port, "job", 0, forged)  # slot 1: would be the coordinator if trusted
+    second = make(2, token_file=str(token))
+    infos = rendezvous_all([first, second])
+    check_round(infos, 2)
+    assert "evil:1:x" not in infos[0].members
+    assert "no valid signature" in caplog.text
+
+
+def test_token_from_environment(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_RDZV_TOKEN", "abc")
+    handlers = [make(2) for _ in range(2)]
+    check_round(rendezvous_all(handlers), 2)
+    assert handlers[0].settings.token == b"abc"
+
+
+def test_dead_coordinator_abandons_the_round(make: Make, port: int) -> None:
+    first = make(2)  # hosts; joins after the forged coordinator below
+    forge_join(
+        port,
+        "job",
+        0,
+        {"id": "ghost:1:x", "host": "ghost", "addr": "127.0.0.1", "port": 1, "round": 0},
+    )
+    second = make(2)
+    started = time.monotonic()
+    infos = rendezvous_all([first, second])
+    check_round(infos, 2)
+    assert infos[0].round == 1 and "ghost:1:x" not in infos[0].members
+    assert time.monotonic() - started < 10
+
+
+def test_lost_node_detected_and_survivors_reform(make: Make) -> None:
+    handlers = [make(2, 3, last_call_timeout="5") for _ in range(3)]
+    infos = rendezvous_all(handlers)  # max reached at once: no last call
+    check_round(infos, 3)
+    victim = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 1)
+    survivors = [h for h in handlers if h is not victim]
+    victim._suspend_heartbeats()
+    started = time.monotonic()
+    assert wait_until(lambda: all(h.lost_nodes() == [victim.node_id] for h in survivors), 10)
+    detected = time.monotonic() - started
+    assert 1.0 <= detected < 4.5, detected  # heartbeat_timeout=1.5 plus a tick or two
+    again = rendezvous_all(survivors)
+    check_round(again, 2)
+    assert time.monotonic() - started < 8  # no last call: every survivor was expected
+    assert victim.node_id not in again[0].members
+
+
+def test_rank_zero_loss_is_seen_by_everyone(make: Make) -> None:
+    handlers = [make(3) for _ in range(3)]
+    infos = rendezvous_all(handlers)
+    rank0 = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 0)
+    rank0._suspend_heartbeats()
+    others = [h for h in handlers if h is not rank0]
+    assert wait_until(lambda: all(h.lost_nodes() == [rank0.node_id] for h in others), 10)
+
+
+def test_clean_shutdown_is_not_a_lost_node(make: Make) -> None:
+    handlers = [make(2) for _ in range(2)]
+    rendezvous_all(handlers)
+    client = next(h for h in handlers if not h.is_hosting)
+    host = next(h for h in handlers if h.is_hosting)
+    client.shutdown()
+    time.sleep(2.5)
+    assert host.lost_nodes() == []
+
+
+def test_node_rank_hints_are_honoured(make: Make) -> None:
+    handlers = [make(3, node_rank=str(r)) for r in (2, 0, 1)]
+    infos = rendezvous_all(handlers)
+    assert [i.rank for i in infos] == [2, 0, 1]
+
+
+def test_non_json_state_names_the_key(make: Make, port: int) -> None:
+    handler = make(1)
+    raw_client(port).set("elastic/job/rdzv/round", "not json")
+    with pytest.raises(RendezvousStateError, match="elastic/job/rdzv/round"):
+        handler.next_rendezvous()
+
+
+def test_non_json_join_record_names_the_key(make: Make, port: int) -> None:
+    handler = make(2)
+    store = raw_client(port)
+    store.add("elastic/job/rdzv/r/0/count", 1)
+    store.set("elastic/job/rdzv/r/0/join/1", b"\x80\x03pickle")
+    with pytest.raises(RendezvousStateError, match="r/0/join/1"):
+        handler.next_rendezvous()
+
+
+HOST_SCRIPT = """
+import sys, time, datetime
+from torch.distributed import TCPStore
+s = TCPStore("127.0.0.1", int(sys.argv[1]), None, True, datetime.timedelta(seconds=30),
+             wait_for_workers=False, use_libuv=True)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_store_host_dying_raises_connection_errors_quickly(make: Make, port: int) -> None:
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST_SCRIPT, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "ready"
+        handlers = [make(2, is_host="false") for _ in range(2)]
+        rendezvous_all(handlers)
+        host.kill()
+        host.wait()
+        started = time.monotonic()
+
+        def broken(h: C10dRendezvousHandler) -> bool:
+            try:
+                h.lost_nodes()
+            except RendezvousConnectionError:
+                return True
+            return False
+
+        assert wait_until(lambda: all(broken(h) for h in handlers), timeout=10)
+        assert time.monotonic() - started < 5
+        for call in (
+            handlers[0].num_nodes_waiting,
+            handlers[0].is_closed,
+            handlers[0].next_rendezvous,
+        ):
+            with pytest.raises(RendezvousConnectionError, match="hosting agent"):
+                call()
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_no_store_no_host_is_a_connection_error(port: int) -> None:
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "j", 1, 1, config={"is_host": "false", "read_timeout": "1"}
+    )
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=str(port)):
+        create_handler(params)
+    assert time.monotonic() - started < 10
+
+
+def test_host_shutdown_waits_for_the_other_members(make: Make) -> None:
+    handlers = [make(2) for _ in range(2)]
+    rendezvous_all(handlers)
+    host = next(h for h in handlers if h.is_hosting)
+    other = next(h for h in handlers if not h.is_hosting)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        done = pool.submit(host.shutdown)
+        time.sleep(0.5)
+        assert not done.done()
+        other.shutdown()
+        assert done.result(timeout=5)
+        assert time.monotonic() - started < 3
+
+
+def test_describe(make: Make) -> None:
+    handlers = [make(2) for _ in range(2)]
+    infos = rendezvous_all(handlers)
+    infos[0].store.set("agent/restarts", "2")
+    status = handlers[0].describe()
+    assert (status.state, status.round, status.min_nodes, status.max_nodes) == ("running", 0, 2, 2)
+    assert [m.node_id for m in status.members] == infos[0].members
+    assert status.restarts_used == 2
+    assert all(m.heartbeat_age is not None and m.heartbeat_age < 5 for m in status.members)
+
+
+def test_choose_members_prefers_previous_members_in_rank_order() -> None:
+    def rec(node: str, hint: int | None = None) -> dict[str, Any]:
+        return {"id": node, "addr": "a", "port": 1, "round": 0, "rank_hint": hint}
+
+    chosen = R.choose_members([rec("new"), rec("b"), rec("a")], ["a", "b"], 2)
+    assert [c["id"] for c in chosen] == ["a", "b"]
+    chosen = R.choose_members([rec("x"), rec("y", 0), rec("z")], [], 3)
+    assert [c["id"] for c in chosen] == ["y", "x", "z"]
