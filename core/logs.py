@@ -281,7 +281,7 @@ def failure_record(
         signal=signal_name(exit_code),
         message=message,
         traceback=trace,
-        error_file=logs.error_file or None,
+        error_file=logs.error_file if content is not None else None,  # only if written
         stdout_path=logs.stdout_file(),
         stderr_path=stderr_path,
         extra={"round": round_},

@@ -82,6 +82,20 @@ def _open_dest(dest: str) -> Any:
     return open(dest, "ab", buffering=0)  # noqa: SIM115 -- closed after Popen
 
 
+def peek_exit(pid: int) -> int | None:
+    """A child's exit code without reaping it (None while it runs).
+
+    The zombie keeps its pid, and so its process group id, reserved until ``reap``: a
+    later ``killpg`` can then never hit an unrelated group that reused the number.
+    """
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status  # CLD_KILLED / CLD_DUMPED: the signal number
+
+
 def killpg(pgid: int, sig: int) -> None:
     """Signal a worker's process group; a group that is already gone is fine."""
     try:
@@ -143,7 +157,12 @@ class CommandWorker:
         self.pid = self.proc.pid
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        try:
+            return peek_exit(self.pid)
+        except ChildProcessError:  # reaped elsewhere (e.g. by Popen itself)
+            return self.proc.poll()
 
     def reap(self, timeout: float) -> int | None:
         try:
@@ -223,6 +242,7 @@ class CallableWorker:
         assert self.proc.pid is not None
         self.pid = self.proc.pid
         self._value: Any = None
+        self._code: int | None = None
 
     def _drain(self) -> None:
         """Read the return value as soon as it is sent: a big one blocks the child."""
@@ -234,12 +254,19 @@ class CallableWorker:
 
     def poll(self) -> int | None:
         self._drain()
-        return self.proc.exitcode
+        if self._code is None:
+            try:
+                self._code = peek_exit(self.pid)
+            except ChildProcessError:  # reaped elsewhere
+                self._code = self.proc.exitcode
+        return self._code
 
     def reap(self, timeout: float) -> int | None:
         self._drain()
         self.proc.join(timeout=max(timeout, 0))
         self._drain()
+        if self.proc.exitcode is not None:
+            self._code = self.proc.exitcode
         return self.proc.exitcode
 
     def return_value(self) -> Any:

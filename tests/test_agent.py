@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -486,3 +487,105 @@ def test_local_ranks_filter_limits_the_console(tmp_path: Path, procs: Any) -> No
     out, err = agent.communicate(timeout=30)
     assert agent.returncode == 0, err
     assert out.splitlines() == ["[default1]:out 1"]
+
+
+# --- through the CLI -------------------------------------------------------------------
+DUMP_ENV = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], f"env_{os.environ['LOCAL_RANK']}.json"), "w") as f:
+    json.dump(dict(os.environ), f)
+"""
+# Values that differ by design: fresh ports and ids per run, paths under the run's log dir,
+# and the store: torchrun's workers reuse the agent's TCPStore, ours host their own.
+EXPECTED_DIFFERENCES = {
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+}
+
+
+def test_cli_worker_env_matches_torchrun(tmp_path: Path) -> None:
+    from conftest import cli_env, run_elastic
+
+    dump = script(tmp_path, "dump_env.py", DUMP_ENV)
+    env = cli_env()
+    env.pop("OMP_NUM_THREADS", None)
+    envs = {}
+    for name, cmd in {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "elastic": [sys.executable, "-m", "elastic", "run"],
+    }.items():
+        out = tmp_path / name
+        out.mkdir()
+        flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=2", "--role=trainer"]
+        if name == "torchrun":
+            proc = subprocess.run(
+                [*cmd, *flags, dump, str(out)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=90,
+            )
+        else:
+            proc = run_elastic("run", *flags, dump, str(out), env=env)
+        assert proc.returncode == 0, proc.stderr
+        envs[name] = [json.loads((out / f"env_{r}.json").read_text()) for r in range(2)]
+    for ours, theirs in zip(envs["elastic"], envs["torchrun"], strict=True):
+        assert sorted(ours) == sorted(theirs)
+        differing = {k for k in theirs if ours[k] != theirs[k]}
+        assert differing <= EXPECTED_DIFFERENCES, {k: (ours[k], theirs[k]) for k in differing}
+        assert ours["MASTER_ADDR"] == theirs["MASTER_ADDR"] == "localhost"
+        assert ours["OMP_NUM_THREADS"] == theirs["OMP_NUM_THREADS"] == "1"
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
+GLOO = """
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+    sys.exit(5)
+dist.barrier()
+print(f"sum={t.item()} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}")
+dist.destroy_process_group()
+"""
+
+
+def test_cli_gloo_job_restarts_on_a_fresh_port(tmp_path: Path) -> None:
+    from conftest import run_elastic
+
+    gloo = script(tmp_path, "gloo.py", GLOO)
+    proc = run_elastic(
+        "run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--tee=3",
+        "--monitor-interval=0.05",
+        gloo,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        "[default0]:sum=3.0 restart=1",
+        "[default1]:sum=3.0 restart=1",
+    ]
+
+
+def test_cli_failure_and_sigterm(tmp_path: Path, procs: Any) -> None:
+    from conftest import run_elastic
+
+    failing = script(tmp_path, "f.py", "import sys\nsys.exit(7)\n")
+    proc = run_elastic("run", "--standalone", "--nproc-per-node=1", "--max-restarts=1", failing)
+    assert proc.returncode == 7, proc.stderr
+    worker = script(tmp_path, "w.py", PID_THEN_WAIT)
+    agent = procs.elastic("run", "--standalone", "--nproc-per-node=2", worker, str(tmp_path))
+    pids = _worker_pids(tmp_path, 2)
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=30)
+    assert agent.returncode == 128 + signal.SIGTERM
+    assert all((tmp_path / f"got_SIGTERM_{r}").exists() for r in range(2))
+    assert not any(pid_alive(p) for p in pids)

@@ -158,6 +158,7 @@ def test_failure_record_from_error_file(tmp_path: Path) -> None:
     assert rec.timestamp == 1700000000.25
     assert rec.attempt == 1 and rec.extra == {"round": 3} and rec.node_id == "n1"
     assert rec.signal is None and rec.pid == 42 and rec.host == "h"
+    assert rec.error_file == str(error_file)
 
 
 def test_failure_record_from_stderr_tail(tmp_path: Path) -> None:
@@ -172,3 +173,4 @@ def test_failure_record_from_stderr_tail(tmp_path: Path) -> None:
     assert len(rec.traceback.splitlines()) == 20
     assert rec.signal == "SIGKILL" and rec.exit_code == -9 and rec.timestamp == 123.5
     assert rec.stderr_path == str(stderr) and rec.stdout_path is None
+    assert rec.error_file is None  # the worker wrote none: do not point at a missing file

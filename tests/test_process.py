@@ -143,3 +143,21 @@ def test_signal_name() -> None:
     assert signal_name(1) is None
     assert signal_name(0) is None
     assert signal_name(None) is None
+
+
+def test_exited_worker_keeps_its_pid_until_reaped() -> None:
+    """poll() does not reap, so a later killpg cannot hit a group that reused the pid."""
+    w = CommandWorker(0, [sys.executable, "-c", "raise SystemExit(4)"], dict(os.environ))
+    assert wait_until(lambda: w.poll() is not None, 15)
+    assert w.poll() == 4
+    assert os.path.exists(f"/proc/{w.pid}")  # a zombie, still ours
+    assert stop_workers([w], signal.SIGTERM, 1) == {0: 4}
+    assert not os.path.exists(f"/proc/{w.pid}")
+
+
+def test_killed_worker_reports_the_signal() -> None:
+    w = CommandWorker(0, [sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ))
+    os.kill(w.pid, signal.SIGKILL)
+    assert wait_until(lambda: w.poll() is not None, 15)
+    assert w.poll() == -signal.SIGKILL
+    stop_workers([w], signal.SIGTERM, 1)
