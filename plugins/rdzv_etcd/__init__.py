@@ -143,15 +143,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return list(self._lost)
 
     def shutdown(self) -> bool:
-        """As torchrun: closes the rendezvous, then stops the background threads."""
+        """Leave cleanly: our keep-alive becomes a permanent "done" that the others do not
+        count as lost (the agent calls this on every exit; closing is ``set_closed``)."""
         ok = True
-        if not self.params.read_only:
-            try:
-                self.set_closed()
-            except Exception:  # noqa: BLE001 - reported through the result
-                ok = False
         self._stop_watcher()
         self.keepalive.stop()
+        lease = self.rdzv.my_lease
+        if lease and not self.params.read_only:
+            try:
+                self.client.call("write", lease, "done", retry_for=5.0)
+            except Exception:  # noqa: BLE001 - reported through the result
+                ok = False
         return ok
 
     # -- liveness of the current round (cached for the agent's 0.1 s polling) ------------

@@ -35,6 +35,7 @@ from elastic.plugins.rdzv_etcd.store import EtcdStore
 from elastic.plugins.rdzv_etcd_v2.monitor import RoundMonitor, describe_job
 
 DEFAULT_PREFIX = "/elastic/rdzv"
+DONE = "done"  # a heartbeat value: left cleanly, not lost
 
 
 @dataclass
@@ -142,18 +143,18 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
         return list(self._monitor.lost) if self._monitor else []
 
     def shutdown(self) -> bool:
-        """As torchrun: closes the rendezvous (the job is over), then stops heartbeating."""
-        if self.params.read_only:
-            self._keepalive.stop()
-            return True
-        try:
-            self.set_closed()
-            ok = True
-        except Exception:  # noqa: BLE001 - shutdown reports failure by its result
-            ok = False
+        """Leave cleanly: our heartbeat becomes a permanent "done", which the others do not
+        count as lost (the agent calls this on every exit, also when only this node is
+        asked to stop; closing the job is ``set_closed``'s business)."""
+        ok = True
         if self._monitor:
             self._monitor.stop()
         self._keepalive.stop()
+        if self._alive_key and not self.params.read_only:
+            try:
+                self.client.call("write", self._alive_key, DONE, retry_for=5.0)
+            except Exception:  # noqa: BLE001 - reported through the result
+                ok = False
         return ok
 
     def describe(self) -> JobStatus:

@@ -1,0 +1,289 @@
+"""The rendezvous backend contract as a reusable pytest suite.
+
+Any backend registered under the ``elastic.rendezvous`` entry-point group (ours or a third
+party's) runs it by subclassing ``RendezvousConformance`` in a test module and providing
+one fixture, ``rdzv_target``, that returns a ``RendezvousTarget``: the backend's name, an
+endpoint that is up for the duration of the test, and the ``--rdzv-conf`` settings that
+make it quick (a last call of a second or two, liveness expiry within a few seconds)::
+
+    import pytest
+    from elastic.testing.conformance import RendezvousConformance, RendezvousTarget
+
+    class TestMyBackend(RendezvousConformance):
+        @pytest.fixture
+        def rdzv_target(self, my_server):
+            return RendezvousTarget(
+                backend="mine",
+                endpoint=my_server.endpoint,
+                config={"last_call_timeout": "1", "heartbeat_timeout": "3"},
+                last_call_timeout=1.0,
+            )
+
+The cases (each a ``test_*`` method, so ``-k`` selects them): a fixed-size round, min/max
+with the last call, scale-up via ``num_nodes_waiting``, a SIGKILLed node reported by
+``lost_nodes``, a closed rendezvous, run-id isolation, the job ``Store`` (atomic ``add``
+across nodes, ``compare_set``, ``wait`` timing out) and an unknown ``--rdzv-conf`` key.
+Nodes run as threads of the test process, each with its own handler, created in order
+(node 0 first, so a backend whose first handler hosts its server works), except the node
+that gets killed, which runs in a subprocess (``elastic.testing.conformance_node``).
+See docs/conformance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from elastic.core.registry import get_rendezvous_handler
+from elastic.core.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+
+@dataclass
+class RendezvousTarget:
+    backend: str
+    endpoint: str
+    config: dict[str, str] = field(default_factory=dict)
+    last_call_timeout: float = 1.0  # what ``config`` sets it to
+    detect_timeout: float = 15.0  # how long lost nodes / waiting nodes may take to show
+    local_addr: str | None = "127.0.0.1"
+
+    def params(self, run_id: str, min_nodes: int, max_nodes: int, **config: str) -> Any:
+        return RendezvousParameters(
+            backend=self.backend,
+            endpoint=self.endpoint,
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=self.local_addr,
+            config={**self.config, **config},
+        )
+
+
+class Nodes:
+    """Handlers created in order (node 0 first) and shut down in reverse at teardown."""
+
+    def __init__(self, target: RendezvousTarget) -> None:
+        self.target = target
+        self.handlers: list[RendezvousHandler] = []
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def make(self, run_id: str, min_nodes: int, max_nodes: int, n: int = 1) -> list[Any]:
+        new = [
+            get_rendezvous_handler(self.target.params(run_id, min_nodes, max_nodes))
+            for _ in range(n)
+        ]
+        self.handlers += new
+        return new
+
+    def spawn(self, run_id: str, min_nodes: int, max_nodes: int) -> subprocess.Popen[str]:
+        spec = {
+            "backend": self.target.backend,
+            "endpoint": self.target.endpoint,
+            "run_id": run_id,
+            "min_nodes": min_nodes,
+            "max_nodes": max_nodes,
+            "local_addr": self.target.local_addr,
+            "config": self.target.config,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic.testing.conformance_node", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+        with ThreadPoolExecutor(max_workers=max(1, len(self.handlers))) as pool:
+            list(pool.map(_quiet_shutdown, reversed(self.handlers)))
+
+
+def _quiet_shutdown(handler: RendezvousHandler) -> None:
+    try:
+        handler.shutdown()
+    except Exception:  # noqa: BLE001 - teardown must reach every handler
+        pass
+
+
+def rendezvous_all(handlers: list[Any], timeout: float = 30.0) -> list[RendezvousInfo]:
+    """``next_rendezvous`` on every handler at once; results in handler order."""
+    with ThreadPoolExecutor(max_workers=len(handlers)) as pool:
+        futures = [pool.submit(h.next_rendezvous) for h in handlers]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def assert_one_round(infos: list[RendezvousInfo], size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(size))
+    assert {i.world_size for i in infos} == {size}
+    assert len({i.round for i in infos}) == 1, [i.round for i in infos]
+    assert len({(i.master_addr, i.master_port) for i in infos}) == 1
+    assert all(0 < i.master_port < 65536 for i in infos)
+    if infos[0].members:
+        assert all(i.members == infos[0].members for i in infos)
+        assert len(set(infos[0].members)) == size
+        assert sorted(i.members[i.rank] for i in infos) == sorted(infos[0].members)
+
+
+class RendezvousConformance:
+    """Subclass as ``Test<Something>`` and define the ``rdzv_target`` fixture."""
+
+    @pytest.fixture
+    def nodes(self, rdzv_target: RendezvousTarget) -> Iterator[Nodes]:
+        nodes = Nodes(rdzv_target)
+        yield nodes
+        nodes.close()
+
+    @pytest.fixture
+    def run_id(self) -> str:
+        return f"conf-{uuid.uuid4().hex[:10]}"
+
+    def test_fixed_size_round(self, nodes: Nodes, run_id: str) -> None:
+        infos = rendezvous_all(nodes.make(run_id, 3, 3, n=3))
+        assert_one_round(infos, 3)
+
+    def test_min_max_last_call(self, nodes: Nodes, run_id: str) -> None:
+        handlers = nodes.make(run_id, 2, 3, n=2)
+        started = time.monotonic()
+        infos = rendezvous_all(handlers, timeout=nodes.target.last_call_timeout + 30)
+        took = time.monotonic() - started
+        assert_one_round(infos, 2)
+        # Two of at most three: the round waited out the last call for a third node.
+        assert took >= nodes.target.last_call_timeout * 0.5, took
+
+    def test_scale_up_num_nodes_waiting(self, nodes: Nodes, run_id: str) -> None:
+        first = nodes.make(run_id, 2, 3, n=2)
+        before = rendezvous_all(first)
+        assert_one_round(before, 2)
+        late = nodes.make(run_id, 2, 3)[0]
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            late_future = pool.submit(late.next_rendezvous)
+            seen = wait_for(
+                lambda: all(h.num_nodes_waiting() > 0 for h in first),
+                nodes.target.detect_timeout,
+            )
+            assert seen, "the members never saw the waiting node"
+            rest = [pool.submit(h.next_rendezvous) for h in first]
+            after = [f.result(timeout=30) for f in rest] + [late_future.result(timeout=30)]
+        assert_one_round(after, 3)
+        assert after[0].round != before[0].round
+
+    def test_lost_node_detected(self, nodes: Nodes, run_id: str) -> None:
+        survivor = nodes.make(run_id, 2, 2)[0]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = pool.submit(survivor.next_rendezvous)
+            proc = nodes.spawn(run_id, 2, 2)
+            info = future.result(timeout=60)
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line, proc.stderr.read() if proc.stderr else "no output"
+        other = json.loads(line)
+        assert info.world_size == 2 and other["round"] == info.round
+        assert survivor.lost_nodes() == []
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        lost = wait_for(survivor.lost_nodes, nodes.target.detect_timeout)
+        assert lost, f"no lost node reported {nodes.target.detect_timeout}s after SIGKILL"
+        if info.members:
+            assert lost == [m for m in info.members if m != info.members[info.rank]]
+        assert time.monotonic() - killed_at < nodes.target.detect_timeout
+
+    def test_closed_rendezvous(self, nodes: Nodes, run_id: str) -> None:
+        a, b = nodes.make(run_id, 2, 2, n=2)
+        rendezvous_all([a, b])
+        assert not b.is_closed()
+        a.set_closed()
+        # Other nodes may learn it through a background thread: allow them a moment.
+        wait = nodes.target.detect_timeout
+        assert wait_for(a.is_closed, wait) and wait_for(b.is_closed, wait)
+        late = nodes.make(run_id, 2, 2)[0]
+        assert wait_for(late.is_closed, wait)
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+
+    def test_run_id_isolation(self, nodes: Nodes, run_id: str) -> None:
+        a = nodes.make(run_id + "-a", 2, 2, n=2)
+        b = nodes.make(run_id + "-b", 2, 2, n=2)
+        infos = rendezvous_all(a + b)
+        assert_one_round(infos[:2], 2)
+        assert_one_round(infos[2:], 2)
+        if infos[0].members:
+            assert not set(infos[0].members) & set(infos[2].members)
+        infos[0].store.set("only/in/a", b"1")
+        assert infos[1].store.check(["only/in/a"])
+        assert not infos[2].store.check(["only/in/a"])
+        a[0].set_closed()
+        assert not b[0].is_closed()
+
+    def test_store_semantics(self, nodes: Nodes, run_id: str) -> None:
+        infos = rendezvous_all(nodes.make(run_id, 2, 2, n=2))
+        s0, s1 = infos[0].store, infos[1].store
+        results: list[int] = []
+        lock = threading.Lock()
+
+        def adds(store: Any) -> None:
+            for _ in range(15):
+                value = store.add("agent/restarts", 1)
+                with lock:
+                    results.append(value)
+
+        threads = [threading.Thread(target=adds, args=(s,)) for s in (s0, s1, s0, s1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(results) == list(range(1, 61))  # atomic: every value exactly once
+        assert s1.add("agent/restarts", 0) == 60
+        assert s0.compare_set("agent/restart_claim/0", "", "node-a") == b"node-a"
+        assert s1.compare_set("agent/restart_claim/0", "", "node-b") == b"node-a"
+        assert s1.compare_set("agent/restart_claim/0", "node-a", "node-b") == b"node-b"
+        assert s0.get("agent/restart_claim/0") == b"node-b"
+        s0.set("agent/failures/0", b'{"rank": 0}')
+        assert s1.get("agent/failures/0") == b'{"rank": 0}'
+        assert s1.check(["agent/failures/0", "agent/restarts"])
+        assert not s1.check(["agent/failures/1"])
+        started = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - each store has its own timeout type
+            s1.wait(["agent/never"], timedelta(seconds=0.5))
+        assert time.monotonic() - started < 10
+        assert s0.delete_key("agent/failures/0")
+        assert not s1.check(["agent/failures/0"])
+
+    def test_unknown_conf_key_rejected(self, rdzv_target: RendezvousTarget, run_id: str) -> None:
+        params = rdzv_target.params(run_id, 1, 1, surely_not_a_key="1")
+        with pytest.raises(RendezvousConfigError) as err:
+            get_rendezvous_handler(params)
+        assert "surely_not_a_key" in str(err.value) and "accepted" in str(err.value)
