@@ -315,22 +315,48 @@ def test_e2e_third_party_plugin_receives_hooks(tmp_path: Path) -> None:
 
 
 @e2e
-def test_e2e_missing_script_spends_no_restarts(tmp_path: Path) -> None:
+def test_e2e_missing_script_rejected_before_start(tmp_path: Path) -> None:
+    """The CLI itself refuses a script that does not exist: one line, no agent started."""
     env, out = make_plugin(tmp_path)
-    start = time.monotonic()
-    code, err, data = launch(
-        tmp_path,
-        tmp_path / "no_such_train.py",
+    proc = run_elastic(
+        "run",
+        "--standalone",
+        "--nproc-per-node=2",
         "--max-restarts=3",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "-r",
-        "3",
+        str(tmp_path / "no_such_train.py"),
         env=env,
+        timeout=60,
     )
+    assert proc.returncode != 0
+    assert "no_such_train.py" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()  # not even elastic_agent_start: nothing was launched
+
+
+@e2e
+@pytest.mark.parametrize(
+    ("target", "expected", "capture"),
+    [
+        ("syntax.py", "SyntaxError", False),  # stderr on the console: compiled by the agent
+        ("syntax.py", "SyntaxError", True),
+        ("-m no_such_module_zz", "No module named no_such_module_zz", True),
+    ],
+    ids=["syntax-console", "syntax-logged", "missing-module-logged"],
+)
+def test_e2e_startup_failure_spends_no_restarts(
+    tmp_path: Path, target: str, expected: str, capture: bool
+) -> None:
+    env, out = make_plugin(tmp_path)
+    (tmp_path / "syntax.py").write_text("def main(:\n    pass\n")
+    flags = ["--max-restarts=3"]
+    if capture:
+        flags += ["--log-dir", str(tmp_path / "logs"), "-r", "3"]
+    *flags_m, script = [*flags, *target.split()]
+    start = time.monotonic()
+    code, err, data = launch(tmp_path, script, *flags_m, env=env)
     assert time.monotonic() - start < 30
-    assert "can't open file" in err
-    assert "can't open file" in data["root_cause"]["traceback"] + data["root_cause"]["message"]
+    root = data["root_cause"]
+    assert expected in root["message"] and root["attempt"] == 0
+    assert expected in err
     names = [c["hook"] for c in hook_calls(out)]
     assert "elastic_restart" not in names and names[-1] == "elastic_run_failed"
 

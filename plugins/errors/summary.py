@@ -23,8 +23,9 @@ WIDTH = 72
 # show only the end of their tracebacks to keep the root cause on screen.
 OTHER_TRACEBACK_LINES = 6
 NO_TRACEBACK_HINT = (
-    "<no traceback: decorate the entry function with @elastic.record (or torch's @record),"
-    " or capture stderr with --log-dir/--redirects>"
+    "<not captured: the worker wrote no error file (decorate its entry function with"
+    " @elastic.record or torch's @record) and its stderr went to the console (capture it"
+    " with --log-dir DIR -r 3)>"
 )
 
 
