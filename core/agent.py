@@ -88,17 +88,24 @@ def claim_restart(store: Store, round_: int, node_id: str) -> int:
     return int(store_call(store.add, RESTARTS_KEY, 0))
 
 
-def exit_barrier(store: Store, round_: int, world_size: int, timeout: float) -> None:
+def exit_barrier(store: Store, round_: int, world_size: int, timeout: float) -> bool:
     """Wait (up to ``timeout`` s) for every node of the round to finish, so a node that
-    hosts the store does not take it away from nodes still finishing their workers."""
+    hosts the store does not take it away from nodes still finishing their workers.
+
+    False when the job failed meanwhile (another node spent the last restart): this
+    node's workers finished, but the job did not.
+    """
     key = BARRIER_KEY.format(round_)
     if int(store_call(store.add, key, 1)) >= world_size:
         store_call(store.set, f"{key}/done", "1")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if store_call(store.check, [f"{key}/done"]) or store_call(store.check, [FAILED_KEY]):
-            return
+        if store_call(store.check, [f"{key}/done"]):
+            return True
+        if store_call(store.check, [FAILED_KEY]):
+            return False
         time.sleep(0.1)
+    return True  # as torch: a peer that never arrives does not fail this node
 
 
 class ElasticAgent(abc.ABC):
@@ -323,7 +330,8 @@ class LocalElasticAgent(ElasticAgent):
         self._stop(signal.SIGTERM, 0)  # nothing left running in their groups
         timeout = float(self._settings.get("exit_barrier_timeout", 300.0))
         with self._guard.waiting():
-            exit_barrier(info.store, info.round, info.world_size, timeout)
+            if not exit_barrier(info.store, info.round, info.world_size, timeout):
+                return self._final_failure("the job failed on another node")
         with contextlib.suppress(Exception):
             self._handler.set_closed()
         if not callable(self._spec.entrypoint):
@@ -335,6 +343,10 @@ class LocalElasticAgent(ElasticAgent):
     ) -> RunResult | None:
         """Record the failed workers, stop the rest, then restart or give up."""
         workers = {w.local_rank: w for w in self._workers}
+        for rank, w in workers.items():  # siblings that died on their own meanwhile
+            code = w.poll()
+            if rank not in failed and code is not None and code != 0:
+                failed[rank] = (code, time.time())
         if self._host_name is None:
             self._host_name = socket.getfqdn()
         records = [
