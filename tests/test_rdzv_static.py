@@ -160,6 +160,18 @@ def test_unreachable_master_fails_fast_with_one_line(port: int) -> None:
     assert f"127.0.0.1:{nobody}" in message and "node rank 0" in message
 
 
+def test_node_started_before_node_zero_waits_for_it(port: int) -> None:
+    handlers = [create_handler(params(r, port, timeout="30")) for r in (0, 1)]
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(handlers[1].next_rendezvous)
+        time.sleep(1.0)  # node 1 keeps retrying the connection meanwhile
+        assert not early.done()
+        late = pool.submit(handlers[0].next_rendezvous)
+        assert early.result(timeout=30).master_port == late.result(timeout=30).master_port
+        shutdowns = [pool.submit(h.shutdown) for h in handlers]
+        assert all(f.result(timeout=30) for f in shutdowns)
+
+
 def test_round_times_out_when_a_node_never_comes(port: int) -> None:
     handler = create_handler(params(0, port, timeout="1"))
     with pytest.raises(RendezvousTimeoutError, match=r"1 of 2 nodes arrived"):

@@ -161,10 +161,11 @@ def _wait_reachable(addr: str, port: int, limit: float) -> None:
 
 def connect_store(addr: str, port: int, timeout: timedelta) -> Any:
     """Connect to node 0's TCPStore, waiting for it to come up for at most ``timeout``."""
-    from torch.distributed import DistError, TCPStore
-
     deadline = time.monotonic() + timeout.total_seconds()
     _wait_reachable(addr, port, timeout.total_seconds())
+    # torch only once node 0 answers: an unreachable master fails without its ~2 s import.
+    from torch.distributed import DistError, TCPStore
+
     remaining = max(1.0, deadline - time.monotonic())
     try:
         store = TCPStore(addr, port, None, False, timedelta(seconds=remaining))
