@@ -75,6 +75,8 @@ class EtcdMember:
         return f"127.0.0.1:{self.client_port}"
 
     def command(self, initial_cluster: str, state: str = "new") -> list[str]:
+        # Every member of one cluster must share the token; the peer list is unique enough.
+        token = f"elastic-{abs(hash(initial_cluster)) % 10**8}"
         cmd = [
             ETCD_BINARY,
             "--name", self.name,
@@ -86,7 +88,7 @@ class EtcdMember:
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", initial_cluster,
             "--initial-cluster-state", state,
-            "--initial-cluster-token", f"tok-{self.peer_port}",
+            "--initial-cluster-token", token,
             # Fast elections: tests kill members and want a new leader within a second.
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
@@ -204,6 +206,9 @@ def enable_v2_auth(member: EtcdMember, user: str = "root", password: str = "secr
     call("PUT", "/v2/auth/roles/guest", {"role": "guest", "revoke": revoke}, True)
 
 
+EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")  # fast to generate
+
+
 def make_tls_files(directory: Path) -> TlsFiles:
     """A CA, a server certificate for 127.0.0.1, a client certificate, and a second CA."""
 
@@ -213,14 +218,14 @@ def make_tls_files(directory: Path) -> TlsFiles:
     directory.mkdir(parents=True, exist_ok=True)
     for ca in ("ca", "other-ca"):
         subj = f"/CN=elastic-test-{ca}"
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        run("req", "-x509", *EC_KEY, "-nodes", "-days", "2",
             "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-subj", subj)  # fmt: skip
     ext = directory / "san.cnf"
     ext.write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
     )
     for who in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key",
+        run("req", *EC_KEY, "-nodes", "-keyout", f"{who}.key",
             "-out", f"{who}.csr", "-subj", f"/CN={who}")  # fmt: skip
         run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
             "-CAcreateserial", "-days", "2", "-out", f"{who}.crt",

@@ -1,0 +1,214 @@
+"""etcd and etcd-v2 backends against real etcd servers: faults (restart, a lost member of
+three, unreachable), TLS, authentication, corrupt state, fingerprints, describe."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import etcd
+import pytest
+from elastic.core.registry import get_rendezvous_handler
+from elastic.core.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousMismatchError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from elastic.plugins.rdzv_etcd.client import parse_endpoints
+
+if TYPE_CHECKING:
+    from elastic.testing.etcd import EtcdCluster
+
+pytest_plugins = ["elastic.testing.etcd"]
+
+QUICK = {
+    "etcd-v2": {"last_call_timeout": "1", "keep_alive_interval": "0.5",
+                "keep_alive_max_attempt": "4", "join_timeout": "40"},
+    "etcd": {"last_call_timeout": "1", "keep_alive_ttl": "2", "timeout": "40"},
+}  # fmt: skip
+TLS_KEYS = {
+    "etcd-v2": ("ca_cert", "ssl_cert", "ssl_cert_key"),
+    "etcd": ("cacert", "cert", "key"),
+}
+BACKENDS = ["etcd-v2", "etcd"]
+
+
+def params(backend: str, endpoint: str, run_id: str, n: int = 2, **conf: Any) -> Any:
+    config = {**QUICK[backend], **{k: str(v) for k, v in conf.items()}}
+    fingerprint = conf.pop("fingerprint", None) if "fingerprint" in conf else None
+    return RendezvousParameters(
+        backend, endpoint, run_id, n, n, local_addr="127.0.0.1", config=config,
+        fingerprint=fingerprint or {},
+    )  # fmt: skip
+
+
+def handlers(backend: str, endpoint: str, run_id: str, n: int = 2, **conf: Any) -> list[Any]:
+    return [get_rendezvous_handler(params(backend, endpoint, run_id, n, **conf)) for _ in range(n)]
+
+
+def rendezvous(hs: list[Any], timeout: float = 40) -> list[Any]:
+    with ThreadPoolExecutor(len(hs)) as pool:
+        return [f.result(timeout=timeout) for f in [pool.submit(h.next_rendezvous) for h in hs]]
+
+
+def shutdown(hs: list[Any]) -> None:
+    for h in hs:
+        h.shutdown()
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("h1:1,h2") == [("h1", 1), ("h2", 2379)]
+    assert parse_endpoints("http://h:5/,[::1]:7") == [("h", 5), ("::1", 7)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unreachable_is_one_line_error(backend: str) -> None:
+    from elastic.testing.etcd import free_port
+
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as err:
+        get_rendezvous_handler(
+            params(backend, f"127.0.0.1:{free_port()}", "r", retry_timeout="1.5")
+        )
+    assert time.monotonic() - started < 10
+    message = str(err.value)
+    assert "cannot reach etcd at http://127.0.0.1:" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_etcd_restart_mid_rendezvous_and_mid_run(backend: str, etcd_server: EtcdCluster) -> None:
+    hs = handlers(backend, etcd_server.endpoint, "restart", 2)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(hs[0].next_rendezvous)
+        time.sleep(0.5)  # node 0 is waiting for node 1
+        etcd_server.restart(down_for=0.5)
+        second = pool.submit(hs[1].next_rendezvous)
+        infos = [first.result(timeout=40), second.result(timeout=40)]
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert infos[0].store.add("agent/restarts", 1) == 1
+    etcd_server.restart(down_for=1.0)  # mid-run: heartbeats and the store carry on
+    assert infos[1].store.add("agent/restarts", 1) == 2
+    time.sleep(2.5)  # longer than the heartbeat TTL
+    assert hs[0].lost_nodes() == [] and hs[1].lost_nodes() == []
+    again = rendezvous(hs)
+    assert sorted(i.rank for i in again) == [0, 1]
+    shutdown(hs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_member_of_three_killed(backend: str, etcd_cluster: EtcdCluster) -> None:
+    hs = handlers(backend, etcd_cluster.endpoint, "cluster", 2)
+    infos = rendezvous(hs)
+    etcd_cluster.members[0].kill()  # the member every client talks to first
+    assert infos[0].store.add("agent/restarts", 5) == 5
+    assert infos[1].store.compare_set("agent/restart_claim/0", "", "x") == b"x"
+    again = rendezvous(hs)
+    assert sorted(i.rank for i in again) == [0, 1]
+    time.sleep(2.5)
+    assert hs[0].lost_nodes() == []
+    shutdown(hs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tls(backend: str, etcd_tls: EtcdCluster) -> None:
+    tls = etcd_tls.members[0].tls
+    assert tls is not None
+    ca, cert, key = TLS_KEYS[backend]
+    good = {"protocol": "https", ca: tls.ca_cert, cert: tls.client_cert, key: tls.client_key}
+    hs = handlers(backend, etcd_tls.endpoint, "tls", 2, **good)
+    assert sorted(i.rank for i in rendezvous(hs)) == [0, 1]
+    shutdown(hs)
+    wrong = {**good, ca: tls.other_ca_cert}
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as err:
+        get_rendezvous_handler(params(backend, etcd_tls.endpoint, "tls", **wrong))
+    assert "TLS" in str(err.value) and "\n" not in str(err.value)
+    assert time.monotonic() - started < 5  # not retried: a wrong CA does not heal
+    with pytest.raises(RendezvousConnectionError):  # no client certificate at all
+        get_rendezvous_handler(params(backend, etcd_tls.endpoint, "tls", protocol="https",
+                                      **{ca: tls.ca_cert}, retry_timeout="2"))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_password(backend: str, etcd_server: EtcdCluster) -> None:
+    from elastic.testing.etcd import enable_v2_auth
+
+    enable_v2_auth(etcd_server.members[0], "root", "s3cret")
+    hs = handlers(backend, etcd_server.endpoint, "auth", 2, username="root", password="s3cret")
+    assert sorted(i.rank for i in rendezvous(hs)) == [0, 1]
+    shutdown(hs)
+    for bad in ({"username": "root", "password": "nope"}, {}):
+        with pytest.raises(RendezvousConnectionError) as err:
+            get_rendezvous_handler(params(backend, etcd_server.endpoint, "auth", **bad))
+        assert "refused" in str(err.value) and "username/password" in str(err.value)
+
+
+def test_corrupt_state_names_key(etcd_server_shared: EtcdCluster) -> None:
+    client = etcd.Client(port=etcd_server_shared.members[0].client_port)
+    client.write("/elastic/rdzv/corrupt/rounds/0/assignment", "{not json")
+    h = get_rendezvous_handler(params("etcd-v2", etcd_server_shared.endpoint, "corrupt", 1))
+    with pytest.raises(RendezvousStateError, match="/elastic/rdzv/corrupt/rounds/0/assignment"):
+        h.next_rendezvous()
+    client.write("/elastic/etcd/run_corrupt2/rdzv/active_version", "garbage")
+    h = get_rendezvous_handler(params("etcd", etcd_server_shared.endpoint, "corrupt2", 1))
+    with pytest.raises(RendezvousStateError, match="run_corrupt2/rdzv/active_version"):
+        h.next_rendezvous()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fingerprint_mismatch(backend: str, etcd_server_shared: EtcdCluster) -> None:
+    run = f"fp-{backend}"
+    a = params(backend, etcd_server_shared.endpoint, run, 1)
+    a.fingerprint = {"torch": "2.13.0", "python": "3.11"}
+    first = get_rendezvous_handler(a)
+    first.next_rendezvous()
+    b = params(backend, etcd_server_shared.endpoint, run, 1)
+    b.fingerprint = {"torch": "2.12.0", "python": "3.11"}
+    with pytest.raises(RendezvousMismatchError) as err:
+        get_rendezvous_handler(b).next_rendezvous()
+    assert "torch" in err.value.fields
+    first.shutdown()
+
+
+def test_describe_is_read_only(etcd_server_shared: EtcdCluster) -> None:
+    hs = handlers("etcd-v2", etcd_server_shared.endpoint, "desc", 2)
+    infos = rendezvous(hs)
+    infos[0].store.add("agent/restarts", 2)
+    viewer_params = params("etcd-v2", etcd_server_shared.endpoint, "desc", 2)
+    viewer_params.read_only = True
+    status = get_rendezvous_handler(viewer_params).describe()
+    assert status.state == "running" and status.round == infos[0].round
+    assert [m.node_id for m in status.members] == infos[0].members
+    assert status.restarts_used == 2 and status.waiting == 0
+    hs[0].set_closed()
+    assert get_rendezvous_handler(viewer_params).describe().state == "closed"
+    legacy = get_rendezvous_handler(params("etcd", etcd_server_shared.endpoint, "desc-e", 1))
+    legacy.next_rendezvous()
+    assert legacy.describe().state == "running"
+    shutdown(hs + [legacy])
+
+
+def test_shutdown_is_not_a_lost_node(etcd_server_shared: EtcdCluster) -> None:
+    for backend in BACKENDS:
+        hs = handlers(backend, etcd_server_shared.endpoint, f"bye-{backend}", 2)
+        rendezvous(hs)
+        hs[1].shutdown()
+        time.sleep(3)  # past the heartbeat TTL
+        assert hs[0].lost_nodes() == [], backend
+        hs[0].shutdown()
+
+
+def test_lost_nodes_is_cheap(etcd_server_shared: EtcdCluster) -> None:
+    """The agent polls lost_nodes often: it must answer from a cache, not from etcd."""
+    hs = handlers("etcd-v2", etcd_server_shared.endpoint, "cheap", 2)
+    rendezvous(hs)
+    started = time.monotonic()
+    for _ in range(1000):
+        hs[0].lost_nodes()
+        hs[0].num_nodes_waiting()
+    assert time.monotonic() - started < 0.5
+    shutdown(hs)
+    assert threading.active_count() < 200
