@@ -139,9 +139,9 @@ def test_min_max_last_call_then_scale_up_with_stable_ranks(make: Make) -> None:
 
 
 def test_full_job_keeps_late_node_on_standby(make: Make) -> None:
-    handlers = [make(1, 2, last_call_timeout="0") for _ in range(2)]
+    handlers = [make(1, 2, last_call_timeout="5") for _ in range(2)]  # max: no wait
     check_round(rendezvous_all(handlers), 2)
-    extra = make(1, 2, last_call_timeout="0")
+    extra = make(1, 2, last_call_timeout="5")
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(extra.next_rendezvous)
         time.sleep(1)

@@ -1,0 +1,187 @@
+"""``elastic run --rdzv-backend=c10d`` end to end: real agents on loopback, gloo workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Processes, wait_until
+
+pytestmark = pytest.mark.slow
+
+TRAIN = """
+import os, sys, time
+import torch, torch.distributed as dist
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if os.environ.get("FAIL_GROUP_RANK") == os.environ["GROUP_RANK"] and restart == 0:
+    sys.exit(3)  # a worker failure on one node, first attempt only
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"RESULT rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
+      f"group_rank={os.environ['GROUP_RANK']} restart={restart} sum={int(t.item())} "
+      f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+dist.destroy_process_group()
+stop = os.environ.get("STOP_FILE")
+while stop and not os.path.exists(stop):
+    time.sleep(0.1)
+"""
+
+RESULT = re.compile(r"RESULT rank=(\d+) world=(\d+) group_rank=(\d+) restart=(\d+) sum=(\d+)")
+CONF = "heartbeat_interval=0.5,heartbeat_timeout=2.5,close_timeout=10,last_call_timeout=2"
+
+
+class Agent:
+    """One ``elastic run`` node whose output is collected as it runs."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def results(self) -> list[tuple[int, ...]]:
+        return [tuple(map(int, m.groups())) for line in self.lines if (m := RESULT.search(line))]
+
+    def text(self) -> str:
+        self._reader.join(timeout=5) if self.proc.poll() is not None else None
+        return "".join(self.lines)
+
+    def wait(self, timeout: float = 30) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        return code
+
+    def kill_node(self) -> None:
+        """SIGKILL the agent and its workers: the whole machine is gone."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def job(procs: Processes, port: int, tmp_path: Path):  # noqa: ANN201
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    stop = tmp_path / "stop"
+
+    def start(
+        nnodes: str,
+        nproc: int = 1,
+        extra_env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> Agent:
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            STOP_FILE=str(stop),
+            RES_OPTIONS="timeout:1 attempts:1",
+            **(extra_env or {}),
+        )
+        proc = procs.elastic(
+            "run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=e2e",
+            f"--rdzv-conf={CONF}",
+            "--monitor-interval=0.1",
+            *args,
+            str(script),
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
+        return Agent(proc)
+
+    def start_host(nnodes: str, nproc: int = 1, **kw: object) -> Agent:
+        agent = start(nnodes, nproc, **kw)  # type: ignore[arg-type]
+        assert wait_until(lambda: listening(port), timeout=20), agent.text()
+        return agent
+
+    start.host = start_host  # type: ignore[attr-defined]
+    start.stop = stop  # type: ignore[attr-defined]
+    return start
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def finish(agents: list[Agent], stop: Path, timeout: float = 30) -> None:
+    stop.touch()
+    for agent in agents:
+        assert agent.wait(timeout) == 0, agent.text()
+
+
+@pytest.mark.parametrize("nodes,nproc", [(2, 2), (4, 1)])
+def test_fixed_size_job_all_reduces(job, nodes: int, nproc: int) -> None:  # noqa: ANN001
+    job.stop.touch()  # run once and exit
+    agents = [job.host(str(nodes), nproc)] + [job(str(nodes), nproc) for _ in range(nodes - 1)]
+    for agent in agents:
+        assert agent.wait(60) == 0, agent.text()
+    results = [r for a in agents for r in a.results()]
+    world = nodes * nproc
+    assert sorted(r[0] for r in results) == list(range(world))
+    assert {r[1] for r in results} == {world}
+    assert {r[4] for r in results} == {world * (world + 1) // 2}  # the all_reduce sum
+    assert sorted({r[2] for r in results}) == list(range(nodes))
+
+
+def test_scale_up_then_down_on_sigkill(job) -> None:  # noqa: ANN001
+    host, second = job.host("2:3"), job("2:3")
+    both = [host, second]
+    assert wait_until(lambda: all(a.results() for a in both), 40), host.text() + second.text()
+    assert {r[1] for a in both for r in a.results()} == {2}
+
+    third = job("2:3")  # scale-up: everyone re-forms with three
+    trio = [host, second, third]
+    assert wait_until(lambda: all(any(r[1] == 3 for r in a.results()) for a in trio), 40), (
+        third.text()
+    )
+    sums = {r[4] for a in trio for r in a.results() if r[1] == 3}
+    assert sums == {6}
+
+    third.kill_node()  # a non-host node dies: survivors re-form with two
+    killed = time.monotonic()
+    assert wait_until(
+        lambda: all(a.results()[-1][1] == 2 and len(a.results()) >= 3 for a in both), 40
+    ), host.text()
+    assert time.monotonic() - killed < 20
+    finish(both, job.stop)
+
+
+def test_sigkill_of_the_hosting_agent_fails_the_others_clearly(job) -> None:  # noqa: ANN001
+    host = job.host("2")
+    others = [job("2")]
+    assert wait_until(lambda: all(a.results() for a in [host, *others]), 40), host.text()
+    host.kill_node()
+    started = time.monotonic()
+    code = others[0].wait(30)
+    assert code != 0
+    assert time.monotonic() - started < 15
+    assert "rendezvous" in others[0].text() and "hosting agent" in others[0].text()
+
+
+def test_restart_budget_is_job_wide(job) -> None:  # noqa: ANN001
+    job.stop.touch()
+    env = {"FAIL_GROUP_RANK": "1"}
+    # max_restarts=1: the one failure restarts every node once, with the same count.
+    args = ("--max-restarts=1",)
+    agents = [job.host("2", 1, extra_env=env, args=args), job("2", 1, extra_env=env, args=args)]
+    codes = [a.wait(60) for a in agents]
+    assert codes == [0, 0], "".join(a.text() for a in agents)
+    results = [r for a in agents for r in a.results()]
+    assert {r[3] for r in results} == {1}, results  # TORCHELASTIC_RESTART_COUNT everywhere
+    assert len(results) == 2
