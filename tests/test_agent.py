@@ -287,6 +287,31 @@ def test_late_joiner_exits_cleanly() -> None:
     assert result.state == WorkerState.SUCCEEDED and result.exit_code == 0
 
 
+class BlockingHandler(LocalRendezvousHandler):
+    def next_rendezvous(self) -> RendezvousInfo:
+        time.sleep(30)
+        raise AssertionError("not interrupted")
+
+
+def test_signal_during_rendezvous_interrupts_it() -> None:
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        result, _ = run_agent(("-c", "pass"), 1, handler=BlockingHandler("job"))
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 10
+    assert result.exit_code == 128 + signal.SIGTERM and result.state == WorkerState.FAILED
+    assert "SIGTERM" in result.message
+
+
+def test_program_that_cannot_start(tmp_path: Path) -> None:
+    result, _ = run_agent((), 2, entrypoint=str(tmp_path / "no-such-program"))
+    assert result.state == WorkerState.FAILED and result.exit_code == 1
+    assert result.message.startswith("cannot start worker 0")
+
+
 def square_plus_rank(x: int) -> int:
     return x * x + int(os.environ["RANK"])
 
@@ -505,6 +530,7 @@ EXPECTED_DIFFERENCES = {
 }
 
 
+@pytest.mark.slow
 def test_cli_worker_env_matches_torchrun(tmp_path: Path) -> None:
     from conftest import cli_env, run_elastic
 
@@ -555,6 +581,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_cli_gloo_job_restarts_on_a_fresh_port(tmp_path: Path) -> None:
     from conftest import run_elastic
 
