@@ -199,8 +199,9 @@ class LocalElasticAgent(ElasticAgent):
             except RendezvousClosedError:
                 if self._attempts == 0:
                     return RunResult(WorkerState.SUCCEEDED, message="rendezvous is closed")
-                if self._store is not None and self._job_failed():
-                    return self._final_failure("the job failed on another node")
+                with contextlib.suppress(RendezvousConnectionError):
+                    if self._job_failed():
+                        return self._final_failure("the job failed on another node")
                 return self._one_line_failure("the rendezvous was closed by another node")
             except RendezvousConnectionError as exc:
                 return self._one_line_failure(f"lost the rendezvous backend: {exc}")
