@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback as tb
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -40,11 +41,15 @@ class ErrorFileContent:
     precise: bool = False
 
 
-def error_file_data(exc: BaseException, now: float | None = None) -> dict[str, Any]:
+def error_file_data(
+    exc: BaseException, now: float | None = None, traceback: TracebackType | None = None
+) -> dict[str, Any]:
     """The JSON document torch's ``ErrorHandler.record_exception`` writes, plus our
-    sub-second timestamp."""
+    sub-second timestamp. ``traceback`` overrides ``exc.__traceback__`` (the decorator
+    passes it without its own wrapper frame)."""
     now = time.time() if now is None else now
-    callstack = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
+    trace = traceback if traceback is not None else exc.__traceback__
+    callstack = "".join(tb.format_exception(type(exc), exc, trace))
     return {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -77,9 +82,9 @@ def write_text_atomic(path: str, text: str) -> None:
         raise
 
 
-def write_error_file(path: str, exc: BaseException) -> None:
+def write_error_file(path: str, exc: BaseException, traceback: TracebackType | None = None) -> None:
     """Record ``exc`` (with its traceback) at ``path`` in torch's format, atomically."""
-    write_text_atomic(path, json.dumps(error_file_data(exc)))
+    write_text_atomic(path, json.dumps(error_file_data(exc, traceback=traceback)))
 
 
 def _parse_time(value: Any) -> tuple[float | None, bool]:

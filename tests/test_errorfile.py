@@ -61,6 +61,8 @@ def test_decorated_exception_writes_torch_format(tmp_path: Path) -> None:
     assert msg["extraInfo"]["timestamp"] == str(int(msg["extraInfo"]["timestamp"]))
     assert "Traceback (most recent call last)" in msg["extraInfo"]["py_callstack"]
     assert "in main" in msg["extraInfo"]["py_callstack"]
+    # the traceback starts at the user's function, without the decorator's own frame
+    assert "record.py" not in msg["extraInfo"]["py_callstack"]
 
     # torch's reader accepts it as its own
     failure = torch_failure(err)

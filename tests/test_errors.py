@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_elastic
+from conftest import cli_env, run_elastic
 from elastic.core.failures import FailureRecord, summarize
 from elastic.core.plugins import PluginHost
 from elastic.core.spec import WorkerSpec
@@ -365,3 +365,65 @@ def test_worker_script_template_is_valid(tmp_path: Path) -> None:
     # keeps the e2e worker source honest even while the agent has not landed
     compile(worker(tmp_path).read_text(), "train.py", "exec")
     compile(textwrap.dedent(PLUGIN), "myplug_mod.py", "exec")
+
+
+TWO_NODE_WORKER = """\
+import os, pathlib, time
+import elastic
+
+@elastic.record
+def main():
+    sync = pathlib.Path(os.environ["SYNC_DIR"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (sync / f"ready{rank}").touch()
+    while len(list(sync.glob("ready*"))) < world:  # both nodes' workers are up
+        time.sleep(0.01)
+    if rank == 1:
+        raise RuntimeError("rank 1 fails first")
+    time.sleep(0.3)
+    raise RuntimeError("rank 0 fails later")
+
+main()
+"""
+
+
+@e2e
+def test_e2e_two_nodes_agree_on_root_cause(tmp_path: Path, procs, port: int) -> None:  # noqa: ANN001
+    """Two agents (c10d rendezvous) each see failures; both report the job-wide first one,
+    rank 1 on the other node, not their own, as torchrun's per-node summary would."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_NODE_WORKER)
+    (tmp_path / "sync").mkdir()
+    env = cli_env({"SYNC_DIR": str(tmp_path / "sync"), "RES_OPTIONS": "timeout:1 attempts:1"})
+    nodes = []
+    for n in range(2):
+        nodes.append(
+            procs.elastic(
+                "run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=two-node-errors",
+                "--rdzv-conf=close_timeout=5",
+                "--monitor-interval=0.05",
+                f"--error-summary={tmp_path / f'summary{n}.json'}",
+                str(script),
+                env=env,
+            )
+        )
+    outputs = [p.communicate(timeout=60) for p in nodes]
+    summaries = []
+    for n, p in enumerate(nodes):
+        assert p.returncode == 1, outputs[n][1]
+        summaries.append(json.loads((tmp_path / f"summary{n}.json").read_text()))
+    roots = [s["root_cause"] for s in summaries]
+    assert roots[0] == roots[1]
+    assert roots[0]["rank"] == 1 and roots[0]["message"] == "RuntimeError: rank 1 fails first"
+    for s, (_, err) in zip(summaries, outputs, strict=True):
+        assert "rank 1 fails first" in err.split("Root cause")[1]
+        # rank 0's later failure, when collected in time, is listed after the root cause
+        assert all(o["timestamp"] >= s["root_cause"]["timestamp"] for o in s["others"])
+    seen_later = [o for s in summaries for o in s["others"]]
+    assert {o["rank"] for o in seen_later} <= {0}
+    assert {r["node_id"] for r in roots} == {roots[0]["node_id"]}

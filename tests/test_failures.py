@@ -109,14 +109,15 @@ NODE_SCRIPT = textwrap.dedent(
 
 
 def test_nodes_agree_over_tcpstore(tmp_path: Path) -> None:
-    """Three separate processes (nodes) share a real TCPStore, as with c10d rendezvous.
-    Their clocks' sub-second order decides the root cause, not publication order."""
+    """Three nodes share a real TCPStore, as with c10d rendezvous: two separate processes
+    and this one (hosting the store). Their clocks' sub-second order decides the root
+    cause, not publication order."""
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)
-    times = {"nodeA": "1700000000.900", "nodeB": "1700000000.200", "nodeC": "1700000000.500"}
+    times = {"nodeA": "1700000000.900", "nodeB": "1700000000.200"}
     env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
     procs = [
         subprocess.Popen(
@@ -128,11 +129,16 @@ def test_nodes_agree_over_tcpstore(tmp_path: Path) -> None:
         )
         for host, ts in times.items()
     ]
+    # this process is nodeC; it publishes first, so publication order is not time order
+    publish(server, rec(2, 1700000000.5, "nodeC"))  # type: ignore[arg-type]
+    server.add("published", 1)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         outs.append(json.loads(out))
+    ours = summarize("job", collect(server))  # type: ignore[arg-type]
+    outs.append([ours.root_cause.host, [o.host for o in ours.others], ours.exit_code])
     assert outs == [["nodeB", ["nodeC", "nodeA"], 1]] * 3
     del server
 

@@ -35,10 +35,12 @@ def _enable_faulthandler() -> None:
         pass
 
 
-def record_exception(exc: BaseException) -> None:
+def record_exception(exc: BaseException, skip_frames: int = 0) -> None:
     """Write ``exc`` to the error file, or warn that there is nowhere to write it.
 
-    Never raises: failing to record must not replace the user's exception.
+    ``skip_frames`` drops the outermost traceback entries (the decorator's own wrapper),
+    so the recorded traceback starts at the user's function. Never raises: failing to
+    record must not replace the user's exception.
     """
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
@@ -51,7 +53,11 @@ def record_exception(exc: BaseException) -> None:
     try:
         from elastic.core.errorfile import write_error_file
 
-        write_error_file(path, exc)
+        trace = exc.__traceback__
+        for _ in range(skip_frames):
+            if trace is not None and trace.tb_next is not None:
+                trace = trace.tb_next
+        write_error_file(path, exc, trace)
     except Exception as write_exc:
         log.warning(
             "could not write error file %s: %s: %s", path, type(write_exc).__name__, write_exc
@@ -81,10 +87,11 @@ def record(fn: Callable[..., _R]) -> Callable[..., _R | None]:
             if exc.code == 0:
                 return None
             if exc.code is not None and not isinstance(exc.code, int):
-                record_exception(exc)  # sys.exit("message"): the message is the error
+                # sys.exit("message"): the message is the error
+                record_exception(exc, skip_frames=1)
             raise
         except Exception as exc:
-            record_exception(exc)
+            record_exception(exc, skip_frames=1)
             raise
 
     return wrapper
