@@ -245,13 +245,28 @@ def test_e2e_undecorated_stderr_tail(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("sig", "code"), [("SIGSEGV", 139), ("SIGKILL", 137)])
 def test_e2e_killed_by_signal(tmp_path: Path, sig: str, code: int) -> None:
     script = worker(tmp_path, failure=f"os.kill(os.getpid(), signal.{sig})")
-    rc, err, data = launch(tmp_path, script)
+    rc, err, data = launch(tmp_path, script, "--log-dir", str(tmp_path / "logs"), "-r", "3")
     root = assert_rank1_root_only(data)
     assert root["signal_name"] == sig and data["exit_code"] == code
     assert f"{sig} (signal" in err
     if sig == "SIGKILL":
         assert "possible OOM kill" in err
+    else:  # @elastic.record enabled faulthandler: the crash's Python stack is in stderr
+        assert "Segmentation fault" in root["traceback"] and "in main" in root["traceback"]
     assert rc != 0
+
+
+@e2e
+def test_e2e_restarts_then_reports_last_round(tmp_path: Path) -> None:
+    """Every attempt fails: the summary is about the last round, not the first failure
+    of a round that was already restarted past."""
+    env, out = make_plugin(tmp_path)
+    _, err, data = launch(tmp_path, worker(tmp_path), "--max-restarts=1", env=env)
+    root = assert_rank1_root_only(data)
+    assert root["attempt"] == 1
+    names = [c["hook"] for c in hook_calls(out)]
+    assert names.count("elastic_restart") == 1 and names.count("elastic_worker_failed") == 2
+    assert err.count("Root cause") == 1
 
 
 PLUGIN = """\
