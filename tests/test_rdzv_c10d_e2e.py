@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 TRAIN = """
 import os, sys, time
-import torch, torch.distributed as dist
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if os.environ.get("FAIL_GROUP_RANK") == os.environ["GROUP_RANK"] and restart == 0:
-    sys.exit(3)  # a worker failure on one node, first attempt only
+    sys.exit(3)  # a worker failure on one node, first attempt only (before torch loads)
+import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t)

@@ -17,6 +17,7 @@ from elastic.core.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
 )
+from elastic.core.store import StoreTimeoutError
 from elastic.plugins.rdzv_c10d import records as R
 from elastic.plugins.rdzv_c10d.heartbeat import LivenessTracker, Monitor
 from elastic.plugins.rdzv_c10d.protocol import RoundProtocol
@@ -78,7 +79,9 @@ class C10dRendezvousHandler(RendezvousHandler):
             "fp": dict(params.fingerprint),
             "rank_hint": settings.node_rank,
         }
-        self.protocol = RoundProtocol(self.rdzv_store, settings, self.run_id, node, self._watch)
+        self.protocol = RoundProtocol(
+            self.rdzv_store, settings, self.run_id, node, self._watch, self._monitor_error
+        )
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
             self._monitor_client = connect_store(self.host, self.port, settings.read_timeout)
@@ -108,6 +111,9 @@ class C10dRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(str(self._monitor.error))
         return self._monitor
 
+    def _monitor_error(self) -> Exception | None:
+        return self._monitor.error if self._monitor is not None else None
+
     def _watch(self, watch: tuple[int, str] | None) -> None:
         if self._monitor is not None:
             self._monitor.set_watch(watch)
@@ -117,7 +123,13 @@ class C10dRendezvousHandler(RendezvousHandler):
         monitor.start()
         monitor.set_round(None, None)  # the old round's liveness no longer matters
         self._current = None
-        asg = self.protocol.next_round()
+        try:
+            asg = self.protocol.next_round()
+        except StoreTimeoutError as exc:  # an operation that should be instant hung
+            raise RendezvousConnectionError(
+                f"the rendezvous store at {self.host}:{self.port} stopped answering "
+                f"(did the hosting agent die?): {exc}"
+            ) from None
         self._live_monitor()  # a store lost meanwhile is an error, not a round
         rank = asg.members.index(self.node_id)
         self._current = asg
@@ -177,7 +189,7 @@ class C10dRendezvousHandler(RendezvousHandler):
         while others and time.monotonic() < deadline:
             try:
                 values = self.rdzv_store.multi_get([R.hb_key(m) for m in others])
-            except RendezvousError:
+            except Exception:  # the store is gone or a key is missing: nothing to wait for
                 return
             stale, done = tracker.update(dict(zip(others, values, strict=True)), time.monotonic())
             others = [m for m in others if m not in set(stale) | set(done)]

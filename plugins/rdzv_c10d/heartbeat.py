@@ -80,7 +80,9 @@ class Monitor:
         self._rank: int | None = None
         self._tracker = LivenessTracker(timeout, interval)
         self._watch: tuple[int, str] | None = None
-        self._watch_tracker = LivenessTracker(timeout, interval)
+        # Abandoning a forming round makes every node join again, so a coordinator gets
+        # twice the member timeout before we call it dead.
+        self._watch_tracker = LivenessTracker(2 * timeout, interval)
 
     # -- control (agent thread) ----------------------------------------------------
     def start(self) -> None:
@@ -110,7 +112,7 @@ class Monitor:
     def set_watch(self, watch: tuple[int, str] | None) -> None:
         with self._lock:
             self._watch = watch
-            self._watch_tracker = LivenessTracker(self.timeout, self.interval)
+            self._watch_tracker = LivenessTracker(2 * self.timeout, self.interval)
 
     # -- the thread ----------------------------------------------------------------
     def beat(self) -> None:
@@ -156,11 +158,23 @@ class Monitor:
                 if lost is not None:
                     self.lost = lost
 
+    def _read_beats(self, nodes: list[str]) -> dict[str, bytes]:
+        """Heartbeat values in one round trip; a node that never beat reads as b"" (it
+        then goes stale like a silent one) instead of blocking ``multi_get``."""
+        keys = [R.hb_key(n) for n in nodes]
+        if not keys:
+            return {}
+        if self.store.check(keys):
+            return dict(zip(nodes, self.store.multi_get(keys), strict=True))
+        present = [(n, k) for n, k in zip(nodes, keys, strict=True) if self.store.check([k])]
+        got = self.store.multi_get([k for _, k in present])
+        values = dict(zip([n for n, _ in present], got, strict=True))
+        return {n: values.get(n, b"") for n in nodes}
+
     def _check_members(self, asg: R.Assignment, rank: int) -> list[str]:
         # Rank 0 watches everyone; everyone watches rank 0.
         targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
-        values = self.store.multi_get([R.hb_key(m) for m in targets])
-        stale, _ = self._tracker.update(dict(zip(targets, values, strict=True)), time.monotonic())
+        stale, _ = self._tracker.update(self._read_beats(targets), time.monotonic())
         key = R.lost_key(asg.round)
         published: list[str] = []
         if self.store.check([key]):
@@ -176,8 +190,8 @@ class Monitor:
         return published
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
-        value = self.store.multi_get([R.hb_key(coordinator)])[0]
-        stale, done = self._watch_tracker.update({coordinator: value}, time.monotonic())
+        beats = self._read_beats([coordinator])
+        stale, done = self._watch_tracker.update(beats, time.monotonic())
         if stale or done:
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
             # The same compare_set a coordinator publishes with: exactly one outcome wins,

@@ -11,6 +11,7 @@ closed, so a waiter is always woken by exactly one key and nothing polls in a lo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,6 +19,7 @@ from typing import Any
 
 from elastic.core.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -37,6 +39,7 @@ class RoundProtocol:
         run_id: str,
         node: dict[str, Any],
         watch: Callable[[tuple[int, str] | None], None],
+        abort: Callable[[], Exception | None] = lambda: None,
     ) -> None:
         self.store = store
         self.s = settings
@@ -44,6 +47,7 @@ class RoundProtocol:
         self.node = node  # id, host, addr, pid, fp, rank_hint
         self.node_id: str = node["id"]
         self._watch = watch  # tells the heartbeat thread whose liveness to watch
+        self._abort = abort  # the heartbeat thread's error, if it lost the store
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -197,20 +201,48 @@ class RoundProtocol:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise self._timeout("no assignment was published")
-        try:
-            self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining))
-        except StoreTimeoutError:
-            raise self._timeout("no assignment was published") from None
+        # The blocking wait runs in a helper thread so that we can give up as soon as the
+        # heartbeat thread finds the store unreachable (a host that vanished without a
+        # TCP reset would otherwise keep this wait blocked until join_timeout).
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining))
+            except BaseException as exc:  # handed to the joining thread below
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"c10d-wait-{rnd}", daemon=True).start()
+        while not done.wait(0.5):
+            error = self._abort()
+            if error is not None:
+                raise RendezvousConnectionError(str(error))
+        if failure:
+            if isinstance(failure[0], StoreTimeoutError):
+                raise self._timeout("no assignment was published")
+            raise failure[0]
         asg = self.read_assignment(rnd)
         assert asg is not None
         return asg
 
+    def last_formed(self, rnd: int) -> R.Assignment | None:
+        """The newest formed round at or before ``rnd`` (abandoned ones are skipped)."""
+        for back in range(rnd, max(-1, rnd - 5), -1):
+            asg = self.read_assignment(back)
+            if asg is not None and asg.state == "formed":
+                return asg
+        return None
+
     def _coordinate(self, rnd: int, deadline: float) -> R.Assignment:
-        prev = self.read_assignment(rnd - 1)
-        prev_members = prev.members if prev is not None and prev.state == "formed" else []
+        prev = self.last_formed(rnd - 1)
+        prev_members = prev.members if prev is not None else []
         # Survivors of the last round we are waiting for; once all are here there is
         # nobody known to wait for, so the last call is skipped (fast re-forming).
-        expected = set(prev_members) - set(self.read_lost(rnd - 1))
+        lost = self.read_lost(prev.round) if prev is not None else []
+        expected = set(prev_members) - set(lost)
         joined: list[dict[str, Any]] = []
         seen, min_at, pause = 0, None, 0.002
         while True:
@@ -233,7 +265,7 @@ class RoundProtocol:
                 self.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
                 raise self._timeout(f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined")
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
         chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
         asg = R.Assignment(
             round=rnd,
