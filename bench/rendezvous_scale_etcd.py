@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from elastic.testing.etcd import EtcdCluster
 
+    # etcd runs in its own session: turn SIGTERM into an exit so `finally` stops it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     fd_limit = base.raise_fd_limit(args.nodes * 4)
     server = EtcdCluster(1).start()
     try:

@@ -201,9 +201,17 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
         return str(result.key)
 
     def _await_round(self, r: int, entry: str, deadline: float) -> dict[str, Any] | None:
-        """Wait until round ``r`` is formed; the first live joiner forms it."""
+        """Wait until round ``r`` is formed; the first live joiner forms it.
+
+        Followers only watch the assignment key (one long poll each); the join queue is
+        listed by the leader, and by followers once per half TTL to see whether the
+        leader's record expired and leadership passed to them. So a round costs O(N)
+        requests, not N listings of N records per second.
+        """
         last_call_since: float | None = None
         rdir = self._round_dir(r)
+        next_listing = 0.0
+        leader = False
         while True:
             now = time.monotonic()
             if now > deadline:
@@ -211,32 +219,35 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
                     f"rendezvous of run {self.params.run_id} did not complete within "
                     f"{self.settings.join_timeout:.0f}s (round {r})"
                 )
-            joins, index = self._list(f"{rdir}/joins")
-            assignment = self._read_json(f"{rdir}/assignment")
+            assignment, a_index = self._read_json_at(f"{rdir}/assignment")
             if assignment is not None:
                 return assignment if self.node in assignment["members"] else None
             if self.is_closed():
                 raise RendezvousClosedError(f"the rendezvous of run {self.params.run_id} is closed")
-            keys = [k for k, _ in joins]
-            if entry not in keys:
-                return None  # our record expired (a long stall): join again
             wait = min(1.0, deadline - now)
-            if keys[0] == entry:  # we lead this round's formation
-                n = len(joins)
-                if n >= self.params.min_nodes and last_call_since is None:
-                    last_call_since = now
-                done = last_call_since is not None and (
-                    now - last_call_since >= self.settings.last_call_timeout
-                )
-                if n >= self.params.max_nodes or done:
-                    self._form(r, [rec for _, rec in joins[: self.params.max_nodes]])
-                    continue
-                if last_call_since is not None:
-                    remaining = self.settings.last_call_timeout - (now - last_call_since)
-                    wait = max(0.0, min(wait, remaining))
-                self.client.watch(rdir, _next(index), wait, recursive=True)
-            else:
-                self.client.watch(f"{rdir}/assignment", _next(index), wait)
+            if leader or now >= next_listing:
+                joins, index = self._list(f"{rdir}/joins")
+                keys = [k for k, _ in joins]
+                if entry not in keys:
+                    return None  # our record expired (a long stall): join again
+                leader = keys[0] == entry
+                next_listing = now + self.settings.ttl / 2
+            if not leader:
+                self.client.watch(f"{rdir}/assignment", _next(a_index), wait)
+                continue
+            n = len(joins)
+            if n >= self.params.min_nodes and last_call_since is None:
+                last_call_since = now
+            done = last_call_since is not None and (
+                now - last_call_since >= self.settings.last_call_timeout
+            )
+            if n >= self.params.max_nodes or done:
+                self._form(r, [rec for _, rec in joins[: self.params.max_nodes]])
+                continue
+            if last_call_since is not None:
+                remaining = self.settings.last_call_timeout - (now - last_call_since)
+                wait = max(0.0, min(wait, remaining))
+            self.client.watch(rdir, _next(index), wait, recursive=True)
 
     def _form(self, r: int, records: list[dict[str, Any]]) -> None:
         rank0 = records[0]
@@ -303,6 +314,14 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
             self.client.call("delete", key)
         except etcd.EtcdKeyNotFound:
             pass
+
+    def _read_json_at(self, key: str) -> tuple[Any, int]:
+        """The JSON at ``key`` (None if absent) and the etcd index of the read."""
+        try:
+            result = self.client.call("read", key)
+        except etcd.EtcdKeyNotFound as exc:
+            return None, _index_of(exc)
+        return loads(result.value, key), int(result.etcd_index)
 
     def _read_json(self, key: str) -> Any:
         try:
