@@ -18,10 +18,18 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from elastic.core import failures as fail
+from elastic.core.job_state import (
+    CLAIM_KEY,
+    FAILED_KEY,
+    RESTARTS_KEY,
+    claim_restart,
+    exit_barrier,
+    report_failure,
+    store_call,
+)
 from elastic.core.logs import (
     LogLayout,
     LogTailer,
@@ -53,59 +61,6 @@ from elastic.core.worker_env import assign_ranks, substitute_args, worker_vars
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting()/lost_nodes() calls
 FAILED_CHECK_INTERVAL = 1.0  # seconds between checks of the job-wide failed flag
-# Job-wide state in the rendezvous store (namespaced by run id by the backend).
-RESTARTS_KEY = "agent/restarts"
-FAILED_KEY = "agent/failed"
-CLAIM_KEY = "agent/restart_claim/{}"
-BARRIER_KEY = "agent/exit_barrier/{}"
-
-T = TypeVar("T")
-
-
-def store_call(fn: Callable[..., T], *args: Any) -> T:
-    """Call the store or handler; a broken connection becomes RendezvousConnectionError.
-
-    torch's TCPStore raises RuntimeError (DistNetworkError) or OSError when its server
-    is gone; whatever the backend, the agent must answer with one clear line.
-    """
-    try:
-        return fn(*args)
-    except (RendezvousError, Interrupted):
-        raise
-    except (OSError, RuntimeError) as exc:
-        raise RendezvousConnectionError(f"{type(exc).__name__}: {exc}") from exc
-
-
-def claim_restart(store: Store, round_: int, node_id: str) -> int:
-    """Spend one restart of the job-wide budget for a failed round; the restarts so far.
-
-    Every node whose workers failed in round R races for the one claim of R, so a failure
-    seen by several nodes at once costs the job a single restart.
-    """
-    won = store_call(store.compare_set, CLAIM_KEY.format(round_), "", node_id)
-    if won == node_id.encode():
-        return int(store_call(store.add, RESTARTS_KEY, 1))
-    return int(store_call(store.add, RESTARTS_KEY, 0))
-
-
-def exit_barrier(store: Store, round_: int, world_size: int, timeout: float) -> bool:
-    """Wait (up to ``timeout`` s) for every node of the round to finish, so a node that
-    hosts the store does not take it away from nodes still finishing their workers.
-
-    False when the job failed meanwhile (another node spent the last restart): this
-    node's workers finished, but the job did not.
-    """
-    key = BARRIER_KEY.format(round_)
-    if int(store_call(store.add, key, 1)) >= world_size:
-        store_call(store.set, f"{key}/done", "1")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if store_call(store.check, [f"{key}/done"]):
-            return True
-        if store_call(store.check, [FAILED_KEY]):
-            return False
-        time.sleep(0.1)
-    return True  # as torch: a peer that never arrives does not fail this node
 
 
 class ElasticAgent(abc.ABC):
@@ -241,15 +196,16 @@ class LocalElasticAgent(ElasticAgent):
         if error is not None:
             self._stop(signal.SIGKILL, 0)
             return self._one_line_failure(error)
-        outcome, failed = self._monitor()
+        outcome, failed = self._monitor(info)
         if outcome == "succeeded":
             return self._succeeded(info)
         if outcome == "job_failed":
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             return self._final_failure("the job failed on another node")
-        if outcome in ("membership", "lost_node"):
+        if outcome in ("membership", "lost_node", "peer_failed"):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
-            self._notify("elastic_restart", group=self._group, reason=outcome)
+            reason = "failure" if outcome == "peer_failed" else outcome
+            self._notify("elastic_restart", group=self._group, reason=reason)
             return None
         return self._on_failure(info, failed)
 
@@ -297,7 +253,7 @@ class LocalElasticAgent(ElasticAgent):
         self._notify("elastic_workers_started", group=group)
         return None
 
-    def _monitor(self) -> tuple[str, dict[int, tuple[int, float]]]:
+    def _monitor(self, info: RendezvousInfo) -> tuple[str, dict[int, tuple[int, float]]]:
         """Watch the workers until something happens; sleeps between checks."""
         next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
         next_failed = time.monotonic() + FAILED_CHECK_INTERVAL
@@ -318,6 +274,8 @@ class LocalElasticAgent(ElasticAgent):
                 next_failed = mono + FAILED_CHECK_INTERVAL
                 if self._job_failed():
                     return "job_failed", {}
+                if store_call(info.store.check, [CLAIM_KEY.format(info.round)]):
+                    return "peer_failed", {}  # a peer's workers failed this round
             if mono >= next_membership:
                 next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
                 if store_call(self._handler.num_nodes_waiting) > 0:
@@ -326,13 +284,19 @@ class LocalElasticAgent(ElasticAgent):
                     return "lost_node", {}
 
     # --- endings --------------------------------------------------------------------------
-    def _succeeded(self, info: RendezvousInfo) -> RunResult:
+    def _succeeded(self, info: RendezvousInfo) -> RunResult | None:
         values = {w.local_rank: w.return_value() for w in self._workers}
         self._stop(signal.SIGTERM, 0)  # nothing left running in their groups
         timeout = float(self._settings.get("exit_barrier_timeout", 300.0))
         with self._guard.waiting():
-            if not exit_barrier(info.store, info.round, info.world_size, timeout):
-                return self._final_failure("the job failed on another node")
+            barrier = exit_barrier(
+                info.store, info.round, info.world_size, timeout, self._handler.lost_nodes
+            )
+        if barrier == "failed":
+            return self._final_failure("the job failed on another node")
+        if barrier == "restart":
+            self._notify("elastic_restart", group=self._group, reason="failure")
+            return None
         with contextlib.suppress(Exception):
             self._handler.set_closed()
         if not callable(self._spec.entrypoint):
@@ -400,23 +364,7 @@ class LocalElasticAgent(ElasticAgent):
 
     def _final_failure(self, message: str) -> RunResult:
         """The run failed for good: one job-wide summary to the error reporting hook."""
-        summary = None
-        if self._store is not None:
-            with contextlib.suppress(Exception):
-                records = fail.collect(self._store)
-                if records:
-                    summary = fail.summarize(self._handler.get_run_id(), records)
-        reported = False
-        if summary is not None and self._host is not None:
-            try:
-                impls = self._host.pm.hook.elastic_run_failed.get_hookimpls()
-                self._host.call_strict("elastic_run_failed", summary=summary)
-                reported = bool(impls)
-            except Exception as exc:  # loud, but the exit code must still be right
-                print(f"elastic: failure reporting raised {exc!r}", file=sys.stderr)
-        if not reported:
-            print(f"elastic: run failed: {message}", file=sys.stderr, flush=True)
-        code = summary.exit_code if summary is not None else 1
+        code = report_failure(self._store, self._handler.get_run_id(), self._host, message)
         return RunResult(
             WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
         )

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from conftest import pid_alive, wait_until
-from elastic.core.agent import FAILED_KEY, RESTARTS_KEY, LocalElasticAgent
+from elastic.core.agent import LocalElasticAgent
 from elastic.core.hookspecs import hookimpl
+from elastic.core.job_state import FAILED_KEY, RESTARTS_KEY
 from elastic.core.local_rendezvous import LocalRendezvousHandler
 from elastic.core.plugins import PluginHost
 from elastic.core.rendezvous import (
@@ -741,3 +742,13 @@ def test_peer_failure_restarts_healthy_node_and_budget_is_job_wide(tmp_path: Pat
     assert "another node" in results[0].message
     runs = sorted(p.name for p in tmp_path.glob("n0_r0_*"))
     assert runs == ["n0_r0_c0", "n0_r0_c1", "n0_r0_c2"]
+
+
+def test_finished_node_rejoins_when_a_peer_fails_the_round(tmp_path: Path) -> None:
+    """Node 0's workers are done (it waits in the exit barrier) when node 1's fail: the
+    round failed, so node 0 rejoins instead of waiting for a peer that never comes."""
+    t0 = time.monotonic()
+    results = run_nodes(tmp_path, "1", 1, max_restarts=1, rest=0.0)
+    assert time.monotonic() - t0 < 20
+    assert [r.state for r in results] == [WorkerState.SUCCEEDED] * 2
+    assert sorted(p.name for p in tmp_path.glob("n0_r0_*")) == ["n0_r0_c0", "n0_r0_c1"]

@@ -1,0 +1,106 @@
+"""Job-wide agent state in the rendezvous store: the restart budget, the failed flag,
+the exit barrier and the final failure report.
+
+Every node reads and writes the same keys (the backend namespaces the store by run id),
+so all agents agree on ``TORCHELASTIC_RESTART_COUNT``, on when the budget is spent and on
+the root cause. Counters and compare-and-set only: O(1) per node and event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastic.core import failures as fail
+from elastic.core.plugins import PluginHost
+from elastic.core.process import Interrupted
+from elastic.core.rendezvous import RendezvousConnectionError, RendezvousError
+from elastic.core.store import Store
+
+# Job-wide state in the rendezvous store (namespaced by run id by the backend).
+RESTARTS_KEY = "agent/restarts"
+FAILED_KEY = "agent/failed"
+CLAIM_KEY = "agent/restart_claim/{}"
+BARRIER_KEY = "agent/exit_barrier/{}"
+
+T = TypeVar("T")
+
+
+def store_call(fn: Callable[..., T], *args: Any) -> T:
+    """Call the store or handler; a broken connection becomes RendezvousConnectionError.
+
+    torch's TCPStore raises RuntimeError (DistNetworkError) or OSError when its server
+    is gone; whatever the backend, the agent must answer with one clear line.
+    """
+    try:
+        return fn(*args)
+    except (RendezvousError, Interrupted):
+        raise
+    except (OSError, RuntimeError) as exc:
+        raise RendezvousConnectionError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def claim_restart(store: Store, round_: int, node_id: str) -> int:
+    """Spend one restart of the job-wide budget for a failed round; the restarts so far.
+
+    Every node whose workers failed in round R races for the one claim of R, so a failure
+    seen by several nodes at once costs the job a single restart.
+    """
+    won = store_call(store.compare_set, CLAIM_KEY.format(round_), "", node_id)
+    if won == node_id.encode():
+        return int(store_call(store.add, RESTARTS_KEY, 1))
+    return int(store_call(store.add, RESTARTS_KEY, 0))
+
+
+def exit_barrier(
+    store: Store, round_: int, world_size: int, timeout: float, lost: Callable[[], list[str]]
+) -> str:
+    """Wait (up to ``timeout`` s) for every node of the round to finish, so a node that
+    hosts the store does not take it away from nodes still finishing their workers.
+
+    A round succeeds only when every node's workers do. Returns ``"done"``; ``"failed"``
+    when the job failed meanwhile (another node spent the last restart); ``"restart"``
+    when another node's workers failed in this round (it claimed a restart) or a member
+    was lost, so this node must rejoin instead of waiting for a peer that never comes.
+    """
+    key = BARRIER_KEY.format(round_)
+    if int(store_call(store.add, key, 1)) >= world_size:
+        store_call(store.set, f"{key}/done", "1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store_call(store.check, [f"{key}/done"]):
+            return "done"
+        if store_call(store.check, [FAILED_KEY]):
+            return "failed"
+        if store_call(store.check, [CLAIM_KEY.format(round_)]) or store_call(lost):
+            return "restart"
+        time.sleep(0.1)
+    return "done"  # as torch: a peer that never arrives does not fail this node
+
+
+def report_failure(store: Store | None, run_id: str, host: PluginHost | None, message: str) -> int:
+    """Hand the job-wide failure summary to ``elastic_run_failed``; the exit code.
+
+    Without a summary (no record published, store gone) or without any implementation of
+    the hook, print one line ourselves so a failed run never ends silently.
+    """
+    summary = None
+    if store is not None:
+        with contextlib.suppress(Exception):
+            records = fail.collect(store)
+            if records:
+                summary = fail.summarize(run_id, records)
+    reported = False
+    if summary is not None and host is not None:
+        try:
+            impls = host.pm.hook.elastic_run_failed.get_hookimpls()
+            host.call_strict("elastic_run_failed", summary=summary)
+            reported = bool(impls)
+        except Exception as exc:  # loud, but the exit code must still be right
+            print(f"elastic: failure reporting raised {exc!r}", file=sys.stderr)
+    if not reported:
+        print(f"elastic: run failed: {message}", file=sys.stderr, flush=True)
+    return summary.exit_code if summary is not None else 1
