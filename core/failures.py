@@ -148,7 +148,8 @@ def summarize(run_id: str, records: list[FailureRecord]) -> FailureSummary:
 
     When records carry ``extra["round"]`` (the rendezvous round, the same on every node),
     only the latest round's failures are kept: earlier rounds were restarted past and
-    would otherwise always win the "earliest" comparison.
+    would otherwise always win the "earliest" comparison. Comparing times across hosts
+    assumes their clocks agree (NTP) to better than the gap between failures.
     """
     if not records:
         raise ValueError("summarize needs at least one failure record")
