@@ -69,16 +69,14 @@ def run_threads(calls: list[Callable[[], Any]], timeout: float) -> tuple[float |
     return time.perf_counter() - start, results
 
 
-def ours(nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
+def ours(nodes: int, run_id: str, timeout: float, conf: dict[str, str]) -> dict[str, Any]:
     from elastic.core.rendezvous import RendezvousParameters
     from elastic.plugins.rdzv_c10d import create_handler
 
     port = free_port()
     t0 = time.perf_counter()
     handlers = [
-        create_handler(
-            RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, nodes, nodes)
-        )
+        create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, nodes, nodes))
         for _ in range(nodes)
     ]
     connect = time.perf_counter() - t0
@@ -109,7 +107,11 @@ def torchs(nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
         client = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=600))
         handlers.append(
             DynamicRendezvousHandler.from_backend(
-                run_id, client, C10dRendezvousBackend(client, run_id), nodes, nodes,
+                run_id,
+                client,
+                C10dRendezvousBackend(client, run_id),
+                nodes,
+                nodes,
                 timeout=RendezvousTimeout(join=timedelta(seconds=timeout + 60)),
             )
         )
@@ -151,16 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0, help="cap for ours (s)")
     parser.add_argument("--torch-timeout", type=float, default=120.0, help="cap for torch's")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's handler")
+    parser.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--rdzv-conf pair for our handlers (repeatable); default: product defaults",
+    )
     args = parser.parse_args(argv)
 
     fd_limit = raise_fd_limit(args.nodes)
-    mine = [ours(args.nodes, f"ours-{i}", args.timeout) for i in range(args.repeat)]
+    conf = dict(pair.split("=", 1) for pair in args.conf)
+    mine = [ours(args.nodes, f"ours-{i}", args.timeout, conf) for i in range(args.repeat)]
     report: dict[str, Any] = {
         "backend": args.backend,
         "nodes": args.nodes,
         "repeat": args.repeat,
         "clients": "connected before the clock; RES_OPTIONS=" + os.environ["RES_OPTIONS"],
         "fd_limit": fd_limit,
+        "rdzv_conf": conf,
         "cpus": os.cpu_count(),
         "ours": summary(mine, args.timeout),
     }

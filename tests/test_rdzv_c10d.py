@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -383,3 +384,23 @@ def test_choose_members_prefers_previous_members_in_rank_order() -> None:
     assert [c["id"] for c in chosen] == ["a", "b"]
     chosen = R.choose_members([rec("x"), rec("y", 0), rec("z")], [], 3)
     assert [c["id"] for c in chosen] == ["y", "x", "z"]
+
+
+def test_describe_from_a_read_only_handler(make: Make, port: int) -> None:
+    handlers = [make(2, 3, last_call_timeout="0.5") for _ in range(2)]
+    infos = rendezvous_all(handlers)
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "job", 1, 1, config={"is_host": "true"}, read_only=True
+    )
+    viewer = create_handler(params)  # read-only: connects even with is_host=true
+    try:
+        assert not viewer.is_hosting
+        status = viewer.describe()
+    finally:
+        viewer.shutdown()
+    assert (status.min_nodes, status.max_nodes, status.state) == (2, 3, "running")
+    assert sorted(m.rank for m in status.members) == [0, 1]
+    assert {m.pid for m in status.members} == {os.getpid()}
+    assert [m.node_id for m in status.members] == infos[0].members
+    with pytest.raises(Exception):  # noqa: B017 - read-only handlers never join
+        viewer.next_rendezvous()

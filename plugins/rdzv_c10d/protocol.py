@@ -276,6 +276,8 @@ class RoundProtocol:
             formed_at=time.time(),
             coordinator=self.node_id,
             fingerprint=dict(chosen[0].get("fp") or {}),
+            min_nodes=self.s.min_nodes,
+            max_nodes=self.s.max_nodes,
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",

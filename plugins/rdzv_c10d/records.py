@@ -108,6 +108,8 @@ class Assignment:
     formed_at: float = 0.0
     coordinator: str = ""
     fingerprint: dict[str, str] = field(default_factory=dict)  # rank 0's: the job's
+    min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
+    max_nodes: int = 0
     sig: str | None = None
 
     def to_json(self, token: bytes | None, run_id: str) -> str:

@@ -7,13 +7,14 @@ Heartbeat ages compare the member's clock with ours, so they are as good as cloc
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from elastic.core.rendezvous import JobStatus, MemberStatus
+from elastic.core.rendezvous import JobStatus, MemberStatus, RendezvousStateError
 from elastic.plugins.rdzv_c10d import records as R
 
 if TYPE_CHECKING:
     from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+    from elastic.plugins.rdzv_c10d.store import PrefixStore
 
 
 def _age(raw: bytes) -> float | None:
@@ -23,16 +24,48 @@ def _age(raw: bytes) -> float | None:
         return None
 
 
-def _latest_round(handler: C10dRendezvousHandler) -> int:
-    store = handler.rdzv_store
-    if not store.check([R.ROUND]):
-        return -1
-    return int(store.get(R.ROUND))
+def _int(store: PrefixStore, key: str) -> int | None:
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousStateError(
+            f"rendezvous state key {store.prefix + key!r} is not a number: {bytes(raw[:60])!r}"
+        ) from None
+
+
+def _join_records(store: PrefixStore, rnd: int) -> dict[str, dict[str, Any]]:
+    """node id -> its join record for round ``rnd`` (one multi_get)."""
+    count = _int(store, R.count_key(rnd)) or 0
+    keys = [R.join_key(rnd, i) for i in range(1, count + 1)]
+    keys = keys if store.check(keys) else [k for k in keys if store.check([k])]
+    out: dict[str, dict[str, Any]] = {}
+    for key, raw in zip(keys, store.multi_get(keys), strict=True):
+        record = R.loads(raw, store.prefix + key)
+        if R.valid_join(record, rnd):
+            out.setdefault(record["id"], record)
+    return out
+
+
+def _member(rank: int, node: str, raw: bytes, record: dict[str, Any]) -> MemberStatus:
+    fp = {str(k): str(v) for k, v in (record.get("fp") or {}).items()}
+    nproc = fp.get("nproc_per_node", "")
+    pid = record.get("pid")
+    return MemberStatus(
+        node_id=node,
+        host=str(record.get("host") or node.partition(":")[0]),
+        rank=rank,
+        pid=pid if isinstance(pid, int) else None,
+        local_world_size=int(nproc) if nproc.isdigit() else None,
+        heartbeat_age=None if raw == R.DONE else _age(raw),
+        versions=fp,
+    )
 
 
 def describe(handler: C10dRendezvousHandler) -> JobStatus:
-    store, proto = handler.rdzv_store, handler.protocol
-    params = handler.params
+    store, proto, params = handler.rdzv_store, handler.protocol, handler.params
     status = JobStatus(
         run_id=handler.run_id,
         backend="c10d",
@@ -42,47 +75,28 @@ def describe(handler: C10dRendezvousHandler) -> JobStatus:
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
     )
-    latest = _latest_round(handler)
-    if latest < 0:
+    latest = _int(store, R.ROUND)
+    if latest is None:
         return status
-    # The newest *formed* round is what runs; a newer unformed one is nodes waiting.
-    formed, rnd = None, latest
-    while rnd >= 0 and rnd >= latest - 2 and formed is None:
-        asg = proto.read_assignment(rnd)
-        if asg is not None and asg.state == "formed":
-            formed = asg
-        else:
-            rnd -= 1
     status.round = latest
+    formed = proto.last_formed(latest)  # what runs; a newer unformed round is waiting nodes
     if formed is not None:
+        status.state = "running"
         status.round = formed.round
         status.round_formed_at = formed.formed_at
-        status.state = "running"
-        values = store.multi_get([R.hb_key(m) for m in formed.members])
-        for rank, (node, raw) in enumerate(zip(formed.members, values, strict=True)):
-            host, _, rest = node.partition(":")
-            pid_text = rest.partition(":")[0]
-            status.members.append(
-                MemberStatus(
-                    node_id=node,
-                    host=host,
-                    rank=rank,
-                    pid=int(pid_text) if pid_text.isdigit() else None,
-                    local_world_size=None,
-                    heartbeat_age=None if raw == R.DONE else _age(raw),
-                    versions=dict(formed.fingerprint) if rank == 0 else {},
-                )
-            )
-        nxt = R.count_key(formed.round + 1)
-        if store.check([nxt]):
-            status.waiting = store.add(nxt, 0)  # add 0 on an existing key only reads it
-    elif store.check([R.count_key(latest)]):
-        status.waiting = store.add(R.count_key(latest), 0)
+        if formed.max_nodes:
+            status.min_nodes, status.max_nodes = formed.min_nodes, formed.max_nodes
+        beats = store.multi_get([R.hb_key(m) for m in formed.members])
+        joins = _join_records(store, formed.round)
+        for rank, (node, raw) in enumerate(zip(formed.members, beats, strict=True)):
+            status.members.append(_member(rank, node, raw, joins.get(node, {})))
+        budget = formed.fingerprint.get("max_restarts", "")
+        status.max_restarts = int(budget) if budget.isdigit() else None
+        status.waiting = _int(store, R.count_key(formed.round + 1)) or 0
+    else:
+        status.waiting = _int(store, R.count_key(latest)) or 0
     if proto.is_closed():
         status.state = "closed"
-    if handler.job_store.check(["agent/restarts"]):
-        try:
-            status.restarts_used = int(handler.job_store.get("agent/restarts"))
-        except ValueError:
-            pass
+    restarts = _int(handler.job_store, "agent/restarts")
+    status.restarts_used = restarts or 0
     return status
