@@ -51,15 +51,18 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
-def die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int | None) -> None:
     """Ask for SIGKILL when the parent dies, then close the race in which it died first.
 
     If the agent died between our fork and the prctl, we are already an orphan and the
-    death signal will never come, so we end ourselves.
+    death signal will never come, so we end ourselves. ``parent_pid`` None: the parent is
+    not the agent but a forkserver (which exits when the agent dies, and its death then
+    kills us); we only check that we have not been orphaned already.
     """
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
+    ppid = os.getppid()
+    if (parent_pid is not None and ppid != parent_pid) or ppid == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -174,17 +177,36 @@ class CommandWorker:
         return None
 
 
+def _release_forkserver() -> None:
+    """Let the forkserver exit when the agent dies, and us with it (death signal).
+
+    A forkserver child inherits the server's "alive" pipe, and the server only exits once
+    every holder has closed it; with our workers holding it, a SIGKILLed agent would leave
+    the server and its workers running forever.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
 def _callable_bootstrap(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     env: dict[str, str],
     stdout: str,
     stderr: str,
-    parent_pid: int,
+    parent_pid: int | None,
     conn: Connection,
 ) -> None:
     """Runs in the child: own session, death signal, environment, redirects, then ``fn``."""
     os.setsid()
+    if parent_pid is None:
+        _release_forkserver()
     die_with_parent(parent_pid)
     os.environ.update(env)
     for dest, fd, name in ((stdout, 1, "stdout"), (stderr, 2, "stderr")):
@@ -231,10 +253,12 @@ class CallableWorker:
     ) -> None:
         self.local_rank = local_rank
         ctx = multiprocessing.get_context(start_method)
+        # A forkserver, not the agent, forks the child: its parent is the server.
+        parent = None if start_method == "forkserver" else os.getpid()
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_callable_bootstrap,
-            args=(fn, args, env, stdout, stderr, os.getpid(), child_conn),
+            args=(fn, args, env, stdout, stderr, parent, child_conn),
             name=f"worker{local_rank}",
         )
         self.proc.start()

@@ -317,7 +317,7 @@ def square_plus_rank(x: int) -> int:
     return x * x + int(os.environ["RANK"])
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
 def test_callable_entrypoint(method: str) -> None:
     result, _ = run_agent((5,), 2, entrypoint=square_plus_rank, start_method=method)  # type: ignore[arg-type]
     assert result.state == WorkerState.SUCCEEDED

@@ -108,7 +108,7 @@ def test_devnull_destination(tmp_path: Path) -> None:
     assert w.reap(15) == 0
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_callable_worker_returns_its_value(method: str) -> None:
     w = CallableWorker(0, square, (7,), {"WORKER_VAR": "x"}, start_method=method)
     assert w.reap(30) == 0
@@ -161,3 +161,29 @@ def test_killed_worker_reports_the_signal() -> None:
     assert wait_until(lambda: w.poll() is not None, 15)
     assert w.poll() == -signal.SIGKILL
     stop_workers([w], signal.SIGTERM, 1)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_callable_workers_die_when_their_agent_is_sigkilled(
+    tmp_path: Path,
+    procs,  # noqa: ANN001
+    method: str,
+) -> None:
+    agent = textwrap.dedent(
+        f"""
+        import sys, time
+        from elastic.core.process import CallableWorker
+        ws = [CallableWorker(i, time.sleep, (60,), {{}}, start_method={method!r})
+              for i in range(2)]
+        print(" ".join(str(w.pid) for w in ws), flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = procs.start([sys.executable, "-c", agent])
+    assert proc.stdout is not None
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2 and all(pid_alive(p) for p in workers)
+    # own sessions once the bootstrap has run (then the death signal is armed too)
+    assert wait_until(lambda: all(os.getsid(p) == p for p in workers), 20)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert wait_until(lambda: not any(pid_alive(p) for p in workers), 5)
