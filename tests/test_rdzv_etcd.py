@@ -80,7 +80,9 @@ def test_unreachable_is_one_line_error(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_etcd_restart_mid_rendezvous_and_mid_run(backend: str, etcd_server: EtcdCluster) -> None:
-    hs = handlers(backend, etcd_server.endpoint, "restart", 2)
+    # Heartbeat TTLs must outlast the etcd outage (TTLs keep running while it is down).
+    ttl = {"keep_alive_ttl": 6} if backend == "etcd" else {"keep_alive_max_attempt": 12}
+    hs = handlers(backend, etcd_server.endpoint, "restart", 2, **ttl)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(hs[0].next_rendezvous)
         time.sleep(0.5)  # node 0 is waiting for node 1
@@ -137,8 +139,9 @@ def test_password(backend: str, etcd_server: EtcdCluster) -> None:
     from elastic.testing.etcd import enable_v2_auth
 
     enable_v2_auth(etcd_server.members[0], "root", "s3cret")
-    hs = handlers(backend, etcd_server.endpoint, "auth", 2, username="root", password="s3cret")
-    assert sorted(i.rank for i in rendezvous(hs)) == [0, 1]
+    # One node: etcd checks the password (bcrypt) on every request, which is slow here.
+    hs = handlers(backend, etcd_server.endpoint, "auth", 1, username="root", password="s3cret")
+    assert [i.rank for i in rendezvous(hs)] == [0]
     shutdown(hs)
     for bad in ({"username": "root", "password": "nope"}, {}):
         with pytest.raises(RendezvousConnectionError) as err:
@@ -212,3 +215,108 @@ def test_lost_nodes_is_cheap(etcd_server_shared: EtcdCluster) -> None:
     assert time.monotonic() - started < 0.5
     shutdown(hs)
     assert threading.active_count() < 200
+
+
+# -- end to end: real agents (python -m elastic run) over etcd ----------------------------
+TRAIN = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"RESULT rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
+      f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} sum={int(t.item())}", flush=True)
+dist.destroy_process_group()
+while not os.path.exists(os.environ["STOP_FILE"]):
+    time.sleep(0.1)
+"""
+E2E_CONF = {
+    "etcd-v2": "last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4",
+    "etcd": "last_call_timeout=1,keep_alive_ttl=2",
+}
+
+
+def start_agent(tmp_path: Any, backend: str, endpoint: str, nnodes: str) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", STOP_FILE=str(tmp_path / "stop"))
+    cmd = [sys.executable, "-m", "elastic", "run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+           f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", "--rdzv-id=e2e",
+           f"--rdzv-conf={E2E_CONF[backend]}", "--monitor-interval=0.1", str(script)]  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+class Output:
+    """A process's output, collected by one reader thread as it runs."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def read_until(self, needle: str, timeout: float, start: int = 0) -> int:
+        """Index of the first line from ``start`` containing ``needle``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in range(start, len(self.lines)):
+                if needle in self.lines[i]:
+                    return i
+            time.sleep(0.1)
+        text = "".join(self.lines)[-3000:]
+        raise AssertionError(f"no {needle!r} within {timeout}s:\n{text}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_e2e_two_agents_gloo_all_reduce(backend: str, etcd_server: EtcdCluster, tmp_path) -> None:  # noqa: ANN001
+    import os
+    import signal
+
+    agents = [start_agent(tmp_path, backend, etcd_server.endpoint, "2") for _ in range(2)]
+    try:
+        outs = [Output(a) for a in agents]
+        lines = [o.lines[o.read_until("RESULT", 30)] for o in outs]
+        assert all("world=2" in line and "sum=3" in line for line in lines), lines
+        (tmp_path / "stop").touch()
+        for agent in agents:
+            assert agent.wait(timeout=20) == 0
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_e2e_killed_agent_is_noticed(etcd_server: EtcdCluster, tmp_path) -> None:  # noqa: ANN001
+    """SIGKILL one of two agents (min 1): the survivor learns it from the heartbeat TTL,
+    stops its workers and continues alone in a new round."""
+    import os
+    import signal
+
+    agents = [start_agent(tmp_path, "etcd-v2", etcd_server.endpoint, "1:2") for _ in range(2)]
+    try:
+        outs = [Output(a) for a in agents]
+        first = [o.read_until("world=2", 30) for o in outs]
+        os.killpg(agents[1].pid, signal.SIGKILL)
+        agents[1].wait(timeout=10)
+        i = outs[0].read_until("world=1", 20, start=first[0])  # re-formed alone
+        assert "sum=1" in outs[0].lines[i]
+        (tmp_path / "stop").touch()
+        assert agents[0].wait(timeout=20) == 0
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=10)
