@@ -333,23 +333,28 @@ class LocalElasticAgent(ElasticAgent):
             for record in records if syntax else []:
                 if "SyntaxError" not in record.message:
                     record.message = syntax
-        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        # Publish and decide before stopping the siblings: peers learn of the failure (the
+        # restart claim, the failed flag) while our grace period runs, not after it.
         self._failures = {r.rank: r for r in records}
         for record in records:
             store_call(fail.publish, info.store, record)
             self._notify("elastic_worker_failed", record=record)
         first = min(records, key=lambda r: r.timestamp)
         what = f"worker rank {first.rank} (local rank {first.local_rank}) " + (
-            f"was killed by {first.signal}" if first.signal else f"exited with {first.exit_code}"
+            f"was killed by {first.signal}"
+            if first.signal
+            else f"exited with code {first.exit_code}"
         )
+        final = None
         if self._attempts == 1 and any(map(fail.is_deterministic_startup_failure, records)):
+            final = f"{what} at start-up ({first.message}); not restarting"
+        elif claim_restart(info.store, info.round, self._node_id) > self._spec.max_restarts:
+            final = f"{what}; restart budget exhausted (max_restarts={self._spec.max_restarts})"
+        if final is not None:
             self._give_up()
-            return self._final_failure(f"{what} at start-up ({first.message}); not restarting")
-        if claim_restart(info.store, info.round, self._node_id) > self._spec.max_restarts:
-            self._give_up()
-            return self._final_failure(
-                f"{what}; restart budget exhausted (max_restarts={self._spec.max_restarts})"
-            )
+        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        if final is not None:
+            return self._final_failure(final)
         self._notify("elastic_restart", group=self._group, reason="failure")
         return None
 
