@@ -752,3 +752,11 @@ def test_finished_node_rejoins_when_a_peer_fails_the_round(tmp_path: Path) -> No
     assert time.monotonic() - t0 < 20
     assert [r.state for r in results] == [WorkerState.SUCCEEDED] * 2
     assert sorted(p.name for p in tmp_path.glob("n0_r0_*")) == ["n0_r0_c0", "n0_r0_c1"]
+
+
+def test_cli_sigkill_leaves_no_orphans(tmp_path: Path, procs: Any) -> None:
+    worker = script(tmp_path, "w.py", PID_THEN_WAIT)
+    agent = procs.elastic("run", "--standalone", "--nproc-per-node=2", worker, str(tmp_path))
+    pids = _worker_pids(tmp_path, 2)
+    os.kill(agent.pid, signal.SIGKILL)
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5)
