@@ -760,3 +760,12 @@ def test_cli_sigkill_leaves_no_orphans(tmp_path: Path, procs: Any) -> None:
     pids = _worker_pids(tmp_path, 2)
     os.kill(agent.pid, signal.SIGKILL)
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5)
+
+
+def test_agent_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys, elastic.core.agent, elastic.core.local_rendezvous, elastic.core.logs, "
+        "elastic.core.process, elastic.core.worker_env, elastic.core.job_state; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
