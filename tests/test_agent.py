@@ -108,7 +108,13 @@ rank, count = os.environ["LOCAL_RANK"], int(os.environ["TORCHELASTIC_RESTART_COU
 with open(os.path.join(out, f"run_{rank}_{count}_{os.environ['MASTER_PORT']}"), "w"):
     pass
 if rank == "1" and count < until:
-    time.sleep(0.2)
+    # fail only once rank 0 has recorded this attempt (a loaded machine starts it late)
+    deadline = time.monotonic() + 30
+    while not any(n.startswith(f"run_0_{count}_") for n in os.listdir(out)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    time.sleep(0.1)
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(3)
@@ -178,7 +184,10 @@ out = sys.argv[1]
 with open(os.path.join(out, f"pid_{os.environ['LOCAL_RANK']}"), "w") as f:
     f.write(str(os.getpid()))
 if os.environ["LOCAL_RANK"] == "1":
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # fail once rank 0 is surely up
+    while not os.path.exists(os.path.join(out, "pid_0")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
     sys.exit(1)
 while True:
     time.sleep(1)
@@ -224,12 +233,14 @@ def test_job_failed_elsewhere_stops_workers(tmp_path: Path) -> None:
 class ScalingHandler(LocalRendezvousHandler):
     """A real standalone handler that reports one waiting node after the first round."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
         super().__init__("job")
+        self.out = out
         self.waiting_reported = False
 
     def num_nodes_waiting(self) -> int:
-        if self._round == 0 and not self.waiting_reported:
+        started = any(self.out.glob("start_0_*"))  # the first round's worker is running
+        if self._round == 0 and started and not self.waiting_reported:
             self.waiting_reported = True
             return 1
         return 0
@@ -246,7 +257,7 @@ def test_membership_change_restarts_without_using_the_budget(tmp_path: Path) -> 
         time.sleep(1.5)
         """,
     )
-    handler = ScalingHandler()
+    handler = ScalingHandler(tmp_path)
     result, agent = run_agent(("-u", worker, str(tmp_path)), 1, handler=handler)
     assert result.state == WorkerState.SUCCEEDED
     assert len(list(tmp_path.glob("start_0_*"))) == 2
@@ -687,7 +698,13 @@ out, failing, until, rest = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]
 node, count = os.environ["GROUP_RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 open(os.path.join(out, f"n{node}_r{os.environ['RANK']}_c{count}"), "w").close()
 if node in failing and count < until:
-    time.sleep(0.3)
+    # fail once every rank of this attempt is up (a loaded machine starts them late)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sum(n.endswith(f"_c{count}") for n in os.listdir(out)) >= int(os.environ["WORLD_SIZE"]):
+            break
+        time.sleep(0.02)
+    time.sleep(0.2)
     sys.exit(3)
 time.sleep(float(rest))
 """
