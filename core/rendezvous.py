@@ -222,14 +222,21 @@ class RendezvousHandler(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> bool:
-        """Close the resources opened for the rendezvous; True when it succeeded."""
+        """Close the resources opened for the rendezvous; True when it succeeded.
+
+        Shutting down is this node leaving cleanly, not closing the job: the agent calls
+        it on every exit (one agent may be SIGTERMed while the job goes on) and closes
+        the job itself with ``set_closed``. A node that shut down must not be reported
+        by the others' ``lost_nodes``.
+        """
 
     def lost_nodes(self) -> list[str]:
         """Members of the current round that stopped heartbeating.
 
         A non-empty answer makes the agent stop its workers (even ones blocked in a
         collective) and call ``next_rendezvous`` again. Backends without liveness
-        tracking return an empty list.
+        tracking return an empty list, and so does every backend once the rendezvous is
+        closed: a node that finished early is not a failure.
         """
         return []
 
