@@ -219,16 +219,19 @@ class LocalElasticAgent(ElasticAgent):
         if info.members and 0 <= info.rank < len(info.members):
             self._node_id = info.members[info.rank]
         run_id = self._handler.get_run_id()
-        if self._layout is None:
-            self._layout = LogLayout(
-                run_id,
-                spec.log_dir,
-                spec.redirects,
-                spec.tee,
-                spec.local_ranks_filter,
-                suffix=self._suffix,
-            )
-        self._logs = self._layout.attempt(restarts, spec.local_world_size)
+        try:
+            if self._layout is None:
+                self._layout = LogLayout(
+                    run_id,
+                    spec.log_dir,
+                    spec.redirects,
+                    spec.tee,
+                    spec.local_ranks_filter,
+                    suffix=self._suffix,
+                )
+            self._logs = self._layout.attempt(restarts, spec.local_world_size)
+        except OSError as exc:
+            return f"cannot create the log directory: {exc}"
         extra = {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals), **spec.extra_env}
         self._attempts += 1
         try:

@@ -324,6 +324,13 @@ def test_program_that_cannot_start(tmp_path: Path) -> None:
     assert result.message.startswith("cannot start worker 0")
 
 
+def test_log_dir_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result, _ = run_agent(("-c", "pass"), 1, log_dir=str(tmp_path / "file"))
+    assert result.state == WorkerState.FAILED and result.exit_code == 1
+    assert result.message.startswith("cannot create the log directory")
+
+
 def square_plus_rank(x: int) -> int:
     return x * x + int(os.environ["RANK"])
 
