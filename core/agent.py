@@ -251,7 +251,13 @@ class LocalElasticAgent(ElasticAgent):
         except (OSError, ValueError) as exc:
             return f"cannot start worker {len(self._workers)}: {exc}"
         finally:
-            self._tailer = start_tailer(spec.role, self._logs)
+            self._tailer = start_tailer(
+                spec.role,
+                self._logs,
+                attempt_dir=self._layout.attempt_dir,
+                stdout_filters=spec.duplicate_stdout_filters,
+                stderr_filters=spec.duplicate_stderr_filters,
+            )
         group.state = WorkerState.HEALTHY
         self._notify("elastic_workers_started", group=group)
         return None

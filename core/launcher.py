@@ -99,6 +99,9 @@ def make_spec(
         start_method=config.start_method,
         shutdown_timeout=config.shutdown_timeout,
         extra_env=dict(config.extra_env),
+        virtual_local_rank=config.virtual_local_rank,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
     )
 
 

@@ -67,6 +67,7 @@ class LogLayout:
     local_ranks_filter: frozenset[int] | None = None
     suffix: str | None = None
     run_dir: str | None = None
+    attempt_dir: str | None = None  # the current attempt's directory, once made
 
     def __post_init__(self) -> None:
         if self.log_dir == os.devnull:
@@ -94,6 +95,7 @@ class LogLayout:
         attempt_dir = os.path.join(self._ensure_run_dir(), f"attempt_{restart_count}")
         shutil.rmtree(attempt_dir, ignore_errors=True)
         os.makedirs(attempt_dir)
+        self.attempt_dir = attempt_dir
         result = {}
         for rank in range(nprocs):
             rank_dir = os.path.join(attempt_dir, str(rank))
@@ -125,10 +127,18 @@ class LogTailer:
     what the workers wrote before returning, so nothing a dead worker said is lost.
     """
 
-    def __init__(self, sources: list[tuple[str, str, str]], interval: float = 0.1) -> None:
-        """``sources``: (path, prefix, "stdout" or "stderr")."""
+    def __init__(
+        self,
+        sources: list[tuple[str, str, str]],
+        interval: float = 0.1,
+        duplicates: dict[str, tuple[TextIO, tuple[str, ...]]] | None = None,
+    ) -> None:
+        """``sources``: (path, prefix, "stdout" or "stderr"). ``duplicates``: per stream,
+        a file that also gets each prefixed line containing any of the filter strings
+        (torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters)."""
         self._sources = sources
         self._interval = interval
+        self._duplicates = duplicates or {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -161,20 +171,30 @@ class LogTailer:
                     text = partial[i] + chunk
                     *lines, partial[i] = text.split("\n")
                     if lines:
-                        dst = self._dst(stream)
-                        dst.write("".join(f"{prefix}{line}\n" for line in lines))
-                        dst.flush()
+                        self._emit(stream, prefix, lines)
                 if finishing:
                     break
                 self._stop.wait(self._interval)
             for i, (_, prefix, stream) in enumerate(self._sources):
                 if partial[i]:
-                    dst = self._dst(stream)
-                    dst.write(f"{prefix}{partial[i]}\n")
-                    dst.flush()
+                    self._emit(stream, prefix, [partial[i]])
         finally:
             for f in files.values():
                 f.close()  # type: ignore[attr-defined]
+            for copy, _ in self._duplicates.values():
+                copy.close()
+
+    def _emit(self, stream: str, prefix: str, lines: list[str]) -> None:
+        dst = self._dst(stream)
+        dst.write("".join(f"{prefix}{line}\n" for line in lines))
+        dst.flush()
+        duplicate = self._duplicates.get(stream)
+        if duplicate is not None:
+            copy, needles = duplicate
+            matching = [line for line in lines if any(n in line for n in needles)]
+            if matching:
+                copy.write("".join(f"{prefix}{line}\n" for line in matching))
+                copy.flush()
 
     def stop(self) -> None:
         self._stop.set()
@@ -182,8 +202,23 @@ class LogTailer:
             self._thread.join(timeout=10)
 
 
-def start_tailer(role: str, logs: dict[int, WorkerLogs], interval: float = 0.1) -> LogTailer:
-    """Tail every teed stream of an attempt, prefixed ``[<role><local_rank>]:``."""
+def start_tailer(
+    role: str,
+    logs: dict[int, WorkerLogs],
+    interval: float = 0.1,
+    *,
+    attempt_dir: str | None = None,
+    stdout_filters: tuple[str, ...] = (),
+    stderr_filters: tuple[str, ...] = (),
+) -> LogTailer:
+    """Tail every teed stream of an attempt, prefixed ``[<role><local_rank>]:``; with
+    filters, teed lines that match also go to ``attempt_dir/filtered_std{out,err}.log``."""
+    duplicates: dict[str, tuple[TextIO, tuple[str, ...]]] = {}
+    if attempt_dir is not None:
+        for stream, needles in (("stdout", stdout_filters), ("stderr", stderr_filters)):
+            if needles:
+                path = os.path.join(attempt_dir, f"filtered_{stream}.log")
+                duplicates[stream] = (open(path, "w", errors="replace"), needles)  # noqa: SIM115
     sources = []
     for rank, wl in sorted(logs.items()):
         prefix = f"[{role}{rank}]:"
@@ -191,7 +226,7 @@ def start_tailer(role: str, logs: dict[int, WorkerLogs], interval: float = 0.1) 
             sources.append((wl.stdout, prefix, "stdout"))
         if wl.tee_stderr:
             sources.append((wl.stderr, prefix, "stderr"))
-    return LogTailer(sources, interval).start()
+    return LogTailer(sources, interval, duplicates).start()
 
 
 def tail_lines(path: str | None, n: int = 20, max_bytes: int = 64 * 1024) -> str:

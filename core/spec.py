@@ -53,6 +53,9 @@ class WorkerSpec:
     start_method: str = "spawn"
     shutdown_timeout: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, one visible GPU per worker
+    duplicate_stdout_filters: tuple[str, ...] = ()  # teed lines copied to filtered_stdout.log
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:

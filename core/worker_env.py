@@ -64,7 +64,22 @@ def worker_vars(
     }
     if "CUDA_VISIBLE_DEVICES" in environ:
         env["CUDA_VISIBLE_DEVICES"] = environ["CUDA_VISIBLE_DEVICES"]
+    if spec.virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu(worker.local_rank, environ)
     return env
+
+
+def visible_gpu(local_rank: int, environ: Mapping[str, str]) -> str:
+    """The one GPU a worker sees with --virtual-local-rank, mapped through the agent's
+    own CUDA_VISIBLE_DEVICES as torchrun does."""
+    parent = environ.get("CUDA_VISIBLE_DEVICES")
+    if parent is None:
+        return str(local_rank)
+    gpus = [g.strip() for g in parent.split(",")]
+    if local_rank >= len(gpus):
+        raise ValueError(f"local rank {local_rank} has no GPU in CUDA_VISIBLE_DEVICES={parent}")
+    return gpus[local_rank]
 
 
 def substitute_args(args: tuple[str, ...], local_rank: int) -> tuple[str, ...]:

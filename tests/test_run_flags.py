@@ -1,0 +1,86 @@
+"""torchrun flags beyond the basics, run for real: --virtual-local-rank, duplicate filters,
+and a launch configured only through PET_* variables (as Kubeflow's PyTorchJob does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import run_elastic
+
+SHOW = """
+import os
+print("LR", os.environ["LOCAL_RANK"], "CVD", os.environ.get("CUDA_VISIBLE_DEVICES"),
+      "RANK", os.environ["RANK"], "WS", os.environ["WORLD_SIZE"], flush=True)
+print("loss=0.5 at step 1", flush=True)
+print("noise", flush=True)
+"""
+
+
+def write_script(tmp_path: Path) -> Path:
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    return script
+
+
+def test_virtual_local_rank_gives_each_worker_one_gpu(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    result = run_elastic(
+        "run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--virtual-local-rank",
+        str(script),
+        env={"CUDA_VISIBLE_DEVICES": "3,5"},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = sorted(ln for ln in result.stdout.splitlines() if ln.startswith("LR"))
+    assert lines == ["LR 0 CVD 3 RANK 0 WS 2", "LR 0 CVD 5 RANK 1 WS 2"]
+
+
+def test_duplicate_filters_copy_matching_teed_lines(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    log_dir = tmp_path / "logs"
+    result = run_elastic(
+        "run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--log-dir={log_dir}",
+        "-t",
+        "3",
+        "--duplicate-stdout-filters=loss,nothing",
+        str(script),
+    )
+    assert result.returncode == 0, result.stderr
+    (filtered,) = log_dir.glob("*/attempt_0/filtered_stdout.log")
+    assert sorted(filtered.read_text().splitlines()) == [
+        "[default0]:loss=0.5 at step 1",
+        "[default1]:loss=0.5 at step 1",
+    ]
+    assert "[default1]:noise" in result.stdout
+
+
+def test_launch_configured_only_through_pet_variables(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    result = run_elastic(
+        "run",
+        str(script),
+        env={"PET_STANDALONE": "1", "PET_NPROC_PER_NODE": "3", "PET_TEE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    ranks = sorted(ln for ln in result.stdout.splitlines() if "LR" in ln)
+    assert len(ranks) == 3
+    assert all(ln.startswith("[default") and "WS 3" in ln for ln in ranks)
+
+
+def test_flag_overrides_its_pet_variable(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    result = run_elastic(
+        "run",
+        "--nproc-per-node=1",
+        str(script),
+        env={"PET_STANDALONE": "1", "PET_NPROC_PER_NODE": "3"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert [ln for ln in result.stdout.splitlines() if ln.startswith("LR")] == [
+        "LR 0 CVD None RANK 0 WS 1"
+    ]
