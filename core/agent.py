@@ -53,6 +53,7 @@ from elastic.core.rendezvous import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousMismatchError,
 )
 from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastic.core.store import Store
@@ -160,6 +161,9 @@ class LocalElasticAgent(ElasticAgent):
                 return self._one_line_failure("the rendezvous was closed by another node")
             except RendezvousConnectionError as exc:
                 return self._one_line_failure(f"lost the rendezvous backend: {exc}")
+            except RendezvousMismatchError as exc:
+                # A user mistake (wrong software or command on this node): exit 2.
+                return self._one_line_failure(f"refused by the job: {exc}", exit_code=2)
             except RendezvousError as exc:
                 return self._one_line_failure(f"rendezvous failed: {type(exc).__name__}: {exc}")
             try:
@@ -383,9 +387,9 @@ class LocalElasticAgent(ElasticAgent):
             WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
         )
 
-    def _one_line_failure(self, message: str) -> RunResult:
+    def _one_line_failure(self, message: str, exit_code: int = 1) -> RunResult:
         print(f"elastic: {message}", file=sys.stderr, flush=True)
-        return RunResult(WorkerState.FAILED, exit_code=1, message=message)
+        return RunResult(WorkerState.FAILED, exit_code=exit_code, message=message)
 
     # --- helpers --------------------------------------------------------------------------
     def _stop(self, sig: int, timeout: float) -> None:
