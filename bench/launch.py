@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         # costs the resolver's 5 s timeout. Same setting for both launchers.
         env["RES_OPTIONS"] = "timeout:1 attempts:1"
     samples: dict[str, dict[str, list[float]]] = {s: {i: [] for i in impls} for s in scenarios}
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         work = Path(tmp)
         for scenario in scenarios:
@@ -247,10 +248,15 @@ def run(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "warmup": args.warmup,
         "res_options": env.get("RES_OPTIONS"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        },
         "results": results,
     }
     print(render(results, impls))
+    print(f"load average (1 min) before/after: {report['machine']['loadavg_1m_before_after']}")
     print(json.dumps(report, indent=2))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")

@@ -177,7 +177,19 @@ def test_round_times_out_when_a_node_never_comes(port: int) -> None:
     with pytest.raises(RendezvousTimeoutError, match=r"1 of 2 nodes arrived"):
         handler.next_rendezvous()
     handler.shutdown_timeout = timedelta(seconds=0.5)  # type: ignore[attr-defined]
+    handler.set_closed()  # the job is over: node 0 waits (bounded) for the others
+    start = time.monotonic()
     assert handler.shutdown() is False  # node 1 never finished: bounded, then reported
+    assert time.monotonic() - start < 3
+
+
+def test_node_zero_leaving_an_open_job_waits_for_nobody(port: int) -> None:
+    handler = create_handler(params(0, port, timeout="1"))
+    with pytest.raises(RendezvousTimeoutError):
+        handler.next_rendezvous()
+    start = time.monotonic()
+    assert handler.shutdown() is True  # e.g. SIGTERMed: leave at once, job not closed
+    assert time.monotonic() - start < 1
 
 
 def test_master_port_in_use(port: int) -> None:

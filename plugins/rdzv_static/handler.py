@@ -276,9 +276,12 @@ class StaticRendezvousHandler(RendezvousHandler):
         try:
             if store.add(FINISHED, 1) >= self.world_size:
                 store.set(FINISHED_ALL, "true")
-            if self.rank == 0:
-                # The others talk to our store until they're done; dropping it first
-                # would turn their clean exit into "connection reset". Bounded wait.
+            # Node 0 leaving a closed job (finished or failed for good): the others still
+            # use our store for their exit (barrier, records, this counter); dropping it
+            # first would turn their clean exit into "connection reset". Bounded wait.
+            # Leaving an open job (this agent was signalled) waits for nobody: the job
+            # cannot go on without node 0's store anyway.
+            if self.rank == 0 and store.check([CLOSED]):
                 try:
                     store.wait([FINISHED_ALL], self.shutdown_timeout)
                 except StoreTimeoutError:
