@@ -43,6 +43,13 @@ def init_process_group(
     backend = backend or default_backend()
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
+    # Importing torch._dynamo while a process group exists keeps that group alive after
+    # destroy_process_group (torch 2.13), and the first optimizer a script creates
+    # imports it. The group is then torn down during interpreter finalization, where a
+    # gloo thread taking the GIL aborts the worker (SIGABRT, "terminate called without
+    # an active exception") after a successful run. Importing it first avoids that.
+    import torch._dynamo  # noqa: F401
+
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
