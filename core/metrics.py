@@ -239,7 +239,7 @@ def put_metric(name: str, value: float, group: str = DEFAULT_GROUP) -> None:
     manager.emit(MetricData(name=name, value=float(value), group=group, rank=_rank()))
 
 
-class timed:  # noqa: N801 - used as a decorator, so it reads like a function
+class timed:  # lower case: it is used as a decorator, so it reads like a function
     """Time a function or a block: emits ``NAME.duration`` (seconds) and ``NAME.success``
     on success, ``NAME.failure`` when it raises (the exception still propagates).
 

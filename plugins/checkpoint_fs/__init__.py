@@ -11,6 +11,7 @@ Why a partial file is never loaded:
 2. each file starts with a header (magic, payload size, SHA-256 of the payload) that is
    checked before the payload is handed to the reader. A file that fails the check (torn
    by a crash of the storage, truncated by a copy) is skipped for the next older one.
+   The payload is read into memory and verified before the reader sees any of it.
 
 File layout: ``ckpt-<step, 12 digits>.elastic`` =
 ``b"ELCKPT1\\n"`` + size (8 bytes, little endian) + sha256 (32 bytes) + payload.
