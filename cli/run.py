@@ -45,6 +45,23 @@ def std_map(value: str, option: str, nproc: int) -> dict[int, int]:
     return {rank: parsed for rank in range(nproc)} if isinstance(parsed, int) else parsed
 
 
+def check_plugin_names(opts: dict[str, Any]) -> None:
+    """Unknown sink or checkpointer names fail before anything starts (metadata only)."""
+    from elastic.core.checkpoint import validate_checkpoint_spec
+    from elastic.core.metrics import validate_sink_names
+
+    try:
+        if opts["metrics_sink"]:
+            validate_sink_names(opts["metrics_sink"])
+    except ValueError as exc:
+        raise bad("--metrics-sink", str(exc)) from None
+    try:
+        if opts["checkpoint"]:
+            validate_checkpoint_spec(opts["checkpoint"])
+    except ValueError as exc:
+        raise bad("--checkpoint", str(exc)) from None
+
+
 def split_filters(value: str) -> tuple[str, ...]:
     return tuple(f for f in value.split(",") if f)
 
@@ -146,6 +163,7 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         max_restarts=opts["max_restarts"],
     )
 
+    check_plugin_names(opts)
     if opts["logs_specs"] not in (None, "", "default"):
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
     if opts["numa_binding"]:

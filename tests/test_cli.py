@@ -24,6 +24,8 @@ BAD_INPUTS = [
     (["-r", "7"], "expected one of 0 (none)"),
     (["--local-ranks-filter=a"], "comma-separated list of local ranks"),
     (["--signals-to-handle=SIGFOO"], "SIGFOO"),
+    (["--metrics-sink=console,statsd"], "unknown metrics sink 'statsd'; known sinks: console"),
+    (["--checkpoint=s3:bucket"], "unknown checkpointer 's3'; known checkpointers: fs"),
 ]
 
 
