@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.sleep:
             time.sleep(args.sleep)
 
+    if rank == 0:
+        print(f"ddp_train: finished {args.steps} steps, last loss {loss.item():.6f}", flush=True)
     if rank == 0 and args.out:
         write_params(args.out, model, args.steps)
     dist.barrier()  # every rank is done with its collectives before the group goes away
