@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ddp_train: world={world} backend={backend} resuming at step {start}", flush=True)
 
     loss_fn = nn.MSELoss()
+    loss = torch.tensor(float("nan"))  # a run resumed at its last step trains no more
     for step in range(start + 1, args.steps + 1):
         x, y = batch_for(step, rank, world, data)
         if device is not None:
