@@ -80,7 +80,7 @@ class C10dRendezvousHandler(RendezvousHandler):
             "rank_hint": settings.node_rank,
         }
         self.protocol = RoundProtocol(
-            self.rdzv_store, settings, self.run_id, node, self._watch, self._monitor_error
+            self.rdzv_store, settings, self.run_id, node, self._phase, self._monitor_error
         )
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
@@ -114,9 +114,9 @@ class C10dRendezvousHandler(RendezvousHandler):
     def _monitor_error(self) -> Exception | None:
         return self._monitor.error if self._monitor is not None else None
 
-    def _watch(self, watch: tuple[int, str] | None) -> None:
+    def _phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         if self._monitor is not None:
-            self._monitor.set_watch(watch)
+            self._monitor.set_phase(watch, quiet)
 
     def next_rendezvous(self) -> RendezvousInfo:
         monitor = self._live_monitor()
@@ -145,7 +145,7 @@ class C10dRendezvousHandler(RendezvousHandler):
         )
 
     def is_closed(self) -> bool:
-        if self._monitor is not None and self._monitor._thread is not None and not self._shut:
+        if self._monitor is not None and self._monitor.in_round and not self._shut:
             return self._live_monitor().closed
         return self.protocol.is_closed()
 

@@ -70,6 +70,7 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._seq = 0
         self._beating = True
+        self._quiet = False
         # What the agent reads (cached, under _lock).
         self.error: Exception | None = None
         self.closed = False
@@ -109,10 +110,16 @@ class Monitor:
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
 
-    def set_watch(self, watch: tuple[int, str] | None) -> None:
+    def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
+        """While a round forms: whose heartbeat to watch (a forming round's coordinator),
+        and whether we may stay quiet (only the coordinator's liveness matters then)."""
         with self._lock:
-            self._watch = watch
+            self._watch, self._quiet = watch, quiet
             self._watch_tracker = LivenessTracker(2 * self.timeout, self.interval)
+
+    @property
+    def in_round(self) -> bool:
+        return self._round is not None
 
     # -- the thread ----------------------------------------------------------------
     def beat(self) -> None:
@@ -139,24 +146,21 @@ class Monitor:
                 return
 
     def _tick(self) -> None:
-        self.beat()
-        closed = self.store.check([R.CLOSED])
         with self._lock:
-            asg, rank, watch = self._round, self._rank, self._watch
-        waiting, lost = 0, None
-        if asg is not None and rank is not None:
-            nxt = R.count_key(asg.round + 1)
-            if self.store.check([nxt]):
-                waiting = self.store.add(nxt, 0)
-            lost = self._check_members(asg, rank)
+            asg, rank, watch, quiet = self._round, self._rank, self._watch, self._quiet
+        if not quiet:
+            self.beat()
         if watch is not None:
             self._check_coordinator(*watch)
+        if asg is None or rank is None:
+            return  # between rounds the protocol itself sees closing and new rounds
+        closed = self.store.check([R.CLOSED])
+        nxt = R.count_key(asg.round + 1)
+        waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
+        lost = self._check_members(asg, rank)
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
-                self.closed = closed
-                self.waiting = waiting
-                if lost is not None:
-                    self.lost = lost
+                self.closed, self.waiting, self.lost = closed, waiting, lost
 
     def _read_beats(self, nodes: list[str]) -> dict[str, bytes]:
         """Heartbeat values in one round trip; a node that never beat reads as b"" (it

@@ -30,6 +30,8 @@ from elastic.plugins.rdzv_c10d.store import PrefixStore, free_port
 
 log = logging.getLogger(__name__)
 
+WATCHERS = 3  # waiters (the slots after the coordinator's) that watch the coordinator
+
 
 class RoundProtocol:
     def __init__(
@@ -38,7 +40,7 @@ class RoundProtocol:
         settings: Settings,
         run_id: str,
         node: dict[str, Any],
-        watch: Callable[[tuple[int, str] | None], None],
+        phase: Callable[[tuple[int, str] | None, bool], None],
         abort: Callable[[], Exception | None] = lambda: None,
     ) -> None:
         self.store = store
@@ -46,7 +48,7 @@ class RoundProtocol:
         self.run_id = run_id
         self.node = node  # id, host, addr, pid, fp, rank_hint
         self.node_id: str = node["id"]
-        self._watch = watch  # tells the heartbeat thread whose liveness to watch
+        self._phase = phase  # tells the heartbeat thread whom to watch, whether to beat
         self._abort = abort  # the heartbeat thread's error, if it lost the store
 
     # -- reading state ----------------------------------------------------------------
@@ -150,15 +152,19 @@ class RoundProtocol:
         record = R.signed(self.s.token, self.run_id, record)
         slot = self.store.add(R.count_key(rnd), 1)
         self.store.set(R.join_key(rnd, slot), R.dumps(record))
-        coordinator = self._find_coordinator(rnd, slot)
-        if coordinator is None:
+        found = self._find_coordinator(rnd, slot)
+        if found is None:
             asg = self._coordinate(rnd, deadline)
         else:
-            self._watch((rnd, coordinator))
+            # While we wait only the coordinator's liveness matters: we stay quiet, and
+            # only the next few slots watch it (a round of N waiters costs O(1) per tick).
+            coord_slot, coordinator = found
+            watcher = slot - coord_slot <= WATCHERS
+            self._phase((rnd, coordinator) if watcher else None, True)
             try:
                 asg = self._await(rnd, deadline)
             finally:
-                self._watch(None)
+                self._phase(None, False)
         if asg.state == "closed":
             self._raise_if_closed()
         if asg.state != "formed" or self.node_id not in asg.members:
@@ -189,12 +195,12 @@ class RoundProtocol:
                 out.append(record)
         return out
 
-    def _find_coordinator(self, rnd: int, slot: int) -> str | None:
-        """The lowest valid slot coordinates; None when that is us."""
+    def _find_coordinator(self, rnd: int, slot: int) -> tuple[int, str] | None:
+        """(slot, node id) of the lowest valid slot, the coordinator; None when it is us."""
         for i in range(1, slot):
             found = self._read_slots(rnd, i, i)
             if found:
-                return str(found[0]["id"])
+                return i, str(found[0]["id"])
         return None
 
     def _await(self, rnd: int, deadline: float) -> R.Assignment:
@@ -216,7 +222,7 @@ class RoundProtocol:
                 done.set()
 
         threading.Thread(target=wait, name=f"c10d-wait-{rnd}", daemon=True).start()
-        while not done.wait(0.5):
+        while not done.wait(1.0):
             error = self._abort()
             if error is not None:
                 raise RendezvousConnectionError(str(error))
