@@ -104,14 +104,21 @@ def parse_std(value: str, option: str) -> dict[int, int] | int:
 
 
 def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``k=v,k2=v2``; a bare item continues the previous value, so list-valued keys read
+    naturally (``allow_mismatch=script_sha256,torch``)."""
     config: dict[str, str] = {}
+    last: str | None = None
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, sep, val = item.partition("=")
+        if not sep and last is not None:
+            config[last] += f",{item}"
+            continue
         if not sep or not key.strip():
             raise click.BadParameter(
                 f"{item!r} is not KEY=VALUE; expected --rdzv-conf KEY=VALUE[,KEY=VALUE...]"
             )
-        config[key.strip()] = val.strip()
+        last = key.strip()
+        config[last] = val.strip()
     return config
 
 

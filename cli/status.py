@@ -11,6 +11,7 @@ hosts a store. The JSON schema (``--json``) is ``JobStatus`` as a dict, version 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -24,6 +25,9 @@ from elastic.core.rendezvous import JobStatus, RendezvousError, RendezvousParame
 def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
     from elastic.core.registry import get_rendezvous_handler
 
+    # torch's C++ logger prints a stack for a failed store connection; status reports
+    # the failure in one line itself and starts no workers that would inherit this.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     params = RendezvousParameters(
         backend=backend,
         endpoint=endpoint,

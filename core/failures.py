@@ -212,3 +212,14 @@ def script_problem(path: str) -> str | None:
     except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
         return "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
     return None
+
+
+def published_root_cause(store: Store, run_id: str) -> dict[str, Any] | None:
+    """The job-wide root cause published so far, for ``elastic status``; read-only (the
+    count key is checked first, since ``add(key, 0)`` would create it)."""
+    if not store.check([COUNT_KEY]):
+        return None
+    records = collect(store, grace=timedelta(0))
+    if not records:
+        return None
+    return asdict(summarize(run_id, records).root_cause)

@@ -80,7 +80,13 @@ class C10dRendezvousHandler(RendezvousHandler):
             "rank_hint": settings.node_rank,
         }
         self.protocol = RoundProtocol(
-            self.rdzv_store, settings, self.run_id, node, self._phase, self._monitor_error
+            self.rdzv_store,
+            settings,
+            self.run_id,
+            node,
+            self._phase,
+            self._monitor_error,
+            allow_mismatch=params.allow_mismatch,
         )
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.

@@ -84,6 +84,7 @@ class Monitor:
         # Abandoning a forming round makes every node join again, so a coordinator gets
         # twice the member timeout before we call it dead.
         self._watch_tracker = LivenessTracker(2 * timeout, interval)
+        self._refused_seen = 0
 
     # -- control (agent thread) ----------------------------------------------------
     def start(self) -> None:
@@ -158,9 +159,29 @@ class Monitor:
         nxt = R.count_key(asg.round + 1)
         waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
         lost = self._check_members(asg, rank)
+        self._log_refused()
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
                 self.closed, self.waiting, self.lost = closed, waiting, lost
+
+    def _log_refused(self) -> None:
+        """One line per node the job turned away (its fingerprint differed)."""
+        if not self.store.check([R.REFUSED_COUNT]):
+            return
+        count = self.store.add(R.REFUSED_COUNT, 0)
+        for index in range(self._refused_seen + 1, count + 1):
+            key = R.refused_key(index)
+            if not self.store.check([key]):
+                return  # counted but not written yet: read it next tick
+            note = R.loads(self.store.get(key), self.store.prefix + key)
+            if isinstance(note, dict):
+                log.warning(
+                    "refused node %s (pid %s): its %s differ from the job's",
+                    note.get("host"),
+                    note.get("pid"),
+                    ", ".join(note.get("fields", [])),
+                )
+            self._refused_seen = index
 
     def _read_beats(self, nodes: list[str]) -> dict[str, bytes]:
         """Heartbeat values in one round trip; a node that never beat reads as b"" (it

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from elastic.core.fingerprint import describe_differences, differences
 from elastic.core.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousMismatchError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -42,6 +44,7 @@ class RoundProtocol:
         node: dict[str, Any],
         phase: Callable[[tuple[int, str] | None, bool], None],
         abort: Callable[[], Exception | None] = lambda: None,
+        allow_mismatch: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         self.s = settings
@@ -50,6 +53,8 @@ class RoundProtocol:
         self.node_id: str = node["id"]
         self._phase = phase  # tells the heartbeat thread whom to watch, whether to beat
         self._abort = abort  # the heartbeat thread's error, if it lost the store
+        self.allow_mismatch = allow_mismatch
+        self._admitted = False  # our fingerprint matched the job's once; it cannot change
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -107,7 +112,27 @@ class RoundProtocol:
         self.publish(rnd, R.Assignment(round=rnd, state="closed"))
 
     # -- joining ----------------------------------------------------------------------
+    def check_fingerprint(self) -> None:
+        """The first joiner's fingerprint becomes the job's; a node that differs is
+        refused before it takes a slot, so the running job never sees it."""
+        mine = self.node.get("fp") or {}
+        if self._admitted or not mine:
+            return
+        desired = R.dumps(mine).encode()
+        held = bytes(self.store.compare_set(R.FINGERPRINT, "", desired))
+        if held != desired:
+            job = R.loads(held, self.full(R.FINGERPRINT))
+            diffs = differences(job if isinstance(job, dict) else {}, mine, self.allow_mismatch)
+            if diffs:
+                index = self.store.add(R.REFUSED_COUNT, 1)
+                note = {"host": self.node["host"], "pid": self.node["pid"], "fields": sorted(diffs)}
+                self.store.set(R.refused_key(index), R.dumps(note))
+                raise RendezvousMismatchError(describe_differences(diffs), diffs)
+        self._admitted = True
+
     def next_round(self) -> R.Assignment:
+        self._raise_if_closed()
+        self.check_fingerprint()
         deadline = time.monotonic() + self.s.join_timeout
         while True:
             self._raise_if_closed()

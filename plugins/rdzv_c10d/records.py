@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 
 ROUND = "round"
 CLOSED = "closed"
+FINGERPRINT = "fingerprint"  # the first joiner's fingerprint: the job's
+REFUSED_COUNT = "refused/count"  # nodes turned away for a fingerprint mismatch
+
+
+def refused_key(index: int) -> str:
+    return f"refused/{index}"
+
+
 DONE = b"done"
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.rendezvous import JobStatus, MemberStatus, RendezvousStateError
+from elastic.core.failures import published_root_cause
+from elastic.core.rendezvous import JobStatus, MemberStatus, RendezvousError, RendezvousStateError
 from elastic.plugins.rdzv_c10d import records as R
 
 if TYPE_CHECKING:
@@ -77,7 +78,10 @@ def describe(handler: C10dRendezvousHandler) -> JobStatus:
     )
     latest = _int(store, R.ROUND)
     if latest is None:
-        return status
+        raise RendezvousError(
+            f"no job with id {handler.run_id!r} at {handler.host}:{handler.port} "
+            "(no node has joined it)"
+        )
     status.round = latest
     formed = proto.last_formed(latest)  # what runs; a newer unformed round is waiting nodes
     if formed is not None:
@@ -99,4 +103,5 @@ def describe(handler: C10dRendezvousHandler) -> JobStatus:
         status.state = "closed"
     restarts = _int(handler.job_store, "agent/restarts")
     status.restarts_used = restarts or 0
+    status.root_cause = published_root_cause(handler.job_store, handler.run_id)
     return status
