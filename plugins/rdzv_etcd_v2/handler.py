@@ -158,7 +158,7 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
         return ok
 
     def describe(self) -> JobStatus:
-        return describe_job(self.client, self.root, self.params, self.settings.ttl)
+        return describe_job(self.client, self.root, self.params, self.settings.ttl, self.store)
 
     # -- joining -------------------------------------------------------------------------
     def _open_round(self) -> int:
@@ -255,9 +255,16 @@ class EtcdV2RendezvousHandler(RendezvousHandler):
             "round": r,
             "members": [rec["node_id"] for rec in records],
             "nodes": [
-                {"node_id": rec["node_id"], "host": rec["host"], "pid": rec.get("pid")}
+                {
+                    "node_id": rec["node_id"],
+                    "host": rec["host"],
+                    "pid": rec.get("pid"),
+                    "fingerprint": rec.get("fingerprint") or {},
+                }
                 for rec in records
             ],
+            "min_nodes": self.params.min_nodes,
+            "max_nodes": self.params.max_nodes,
             "master_addr": rank0["host"],
             "master_port": rank0["port"],
             "formed_at": time.time(),

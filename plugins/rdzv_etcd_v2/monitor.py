@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import etcd
+from elastic.core.failures import published_root_cause
 from elastic.core.rendezvous import (
     JobStatus,
     MemberStatus,
@@ -21,6 +22,7 @@ from elastic.core.rendezvous import (
     RendezvousError,
     RendezvousParameters,
 )
+from elastic.core.store import Store
 from elastic.plugins.rdzv_etcd.client import EtcdClient
 from elastic.plugins.rdzv_etcd.common import loads
 
@@ -115,12 +117,19 @@ def _read(client: EtcdClient, key: str) -> Any:
         return None
 
 
+VERSION_FIELDS = ("elastic", "torch", "python")
+
+
 def describe_job(
-    client: EtcdClient, root: str, params: RendezvousParameters, ttl: int
+    client: EtcdClient, root: str, params: RendezvousParameters, ttl: int, store: Store
 ) -> JobStatus:
     """Read-only: reads keys, never writes, never joins."""
     closed = _exists(client, f"{root}/closed")
     open_round = _read(client, f"{root}/open_round")
+    if open_round is None and not closed:
+        raise RendezvousError(
+            f"no job with id {params.run_id!r} in etcd at {params.endpoint} (no node has joined it)"
+        )
     open_round = int(open_round) if isinstance(open_round, int) else 0
     # The latest formed round is the open one if it formed already, else the one before.
     assignment, current = None, open_round
@@ -134,14 +143,17 @@ def describe_job(
     if assignment is not None:
         ages = _heartbeat_ages(client, f"{root}/rounds/{current}/alive", ttl)
         for rank, node in enumerate(assignment.get("nodes", [])):
+            fp = node.get("fingerprint") or {}
+            nproc = str(fp.get("nproc_per_node", ""))
             members.append(
                 MemberStatus(
                     node_id=node["node_id"],
                     host=node.get("host", ""),
                     rank=rank,
                     pid=node.get("pid"),
-                    local_world_size=None,
+                    local_world_size=int(nproc) if nproc.isdigit() else None,
                     heartbeat_age=ages.get(node["node_id"]),
+                    versions={k: str(fp[k]) for k in VERSION_FIELDS if k in fp},
                 )
             )
     waiting_round = current + 1 if assignment is not None else open_round
@@ -158,12 +170,22 @@ def describe_job(
         state=state,
         round=current,
         round_formed_at=assignment.get("formed_at") if assignment else None,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
+        min_nodes=int((assignment or {}).get("min_nodes", params.min_nodes)),
+        max_nodes=int((assignment or {}).get("max_nodes", params.max_nodes)),
         members=members,
         waiting=waiting,
         restarts_used=_restarts(client, root),
+        max_restarts=_budget(assignment),
+        root_cause=published_root_cause(store, params.run_id),
     )
+
+
+def _budget(assignment: dict[str, Any] | None) -> int | None:
+    for node in (assignment or {}).get("nodes", []):
+        budget = str((node.get("fingerprint") or {}).get("max_restarts", ""))
+        if budget.isdigit():
+            return int(budget)
+    return None
 
 
 def _heartbeat_ages(client: EtcdClient, key: str, ttl: int) -> dict[str, float]:
