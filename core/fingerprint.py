@@ -12,6 +12,7 @@ import importlib.metadata as md
 import sys
 from collections.abc import Iterable, Mapping
 
+VERSION_FIELDS = ("elastic", "torch", "python")  # what `elastic status` shows per member
 FIELDS = (
     "elastic",
     "torch",

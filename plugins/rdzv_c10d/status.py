@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from elastic.core.failures import published_root_cause
+from elastic.core.fingerprint import VERSION_FIELDS
 from elastic.core.rendezvous import JobStatus, MemberStatus, RendezvousError, RendezvousStateError
 from elastic.plugins.rdzv_c10d import records as R
 
@@ -61,7 +62,7 @@ def _member(rank: int, node: str, raw: bytes, record: dict[str, Any]) -> MemberS
         pid=pid if isinstance(pid, int) else None,
         local_world_size=int(nproc) if nproc.isdigit() else None,
         heartbeat_age=None if raw == R.DONE else _age(raw),
-        versions=fp,
+        versions={k: fp[k] for k in VERSION_FIELDS if k in fp},
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import etcd
 from elastic.core.failures import published_root_cause
+from elastic.core.fingerprint import VERSION_FIELDS
 from elastic.core.rendezvous import (
     JobStatus,
     MemberStatus,
@@ -115,9 +116,6 @@ def _read(client: EtcdClient, key: str) -> Any:
         return loads(client.call("read", key).value, key)
     except etcd.EtcdKeyNotFound:
         return None
-
-
-VERSION_FIELDS = ("elastic", "torch", "python")
 
 
 def describe_job(
