@@ -308,3 +308,38 @@ def test_e2e_worker_failure_restarts_both_nodes(procs, tmp_path, port: int) -> N
     # shows up as a waiting node, so node 0 stops them and joins the next round.
     records = run_two_nodes(procs, tmp_path, port, "fail", "--max-restarts=1")
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_e2e_sigterm_while_waiting_for_nodes_exits_promptly(procs, tmp_path, port: int) -> None:  # noqa: ANN001
+    # Node 0 alone: it hosts the store and waits for node 1. torch's blocking store wait
+    # would hold off the agent's SIGTERM handler for the whole rendezvous timeout.
+    import signal
+    import socket
+
+    from conftest import wait_until
+
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    node0 = procs.elastic(
+        "run",
+        "--nnodes=2",
+        "--node-rank=0",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--nproc-per-node=1",
+        str(script),
+    )
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    assert wait_until(listening, timeout=60)
+    time.sleep(0.5)  # into the round's wait
+    node0.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, stderr = node0.communicate(timeout=30)
+    assert time.monotonic() - start < 5
+    assert node0.returncode == 128 + signal.SIGTERM, stderr

@@ -118,9 +118,9 @@ class StaticRendezvousHandler(RendezvousHandler):
         return self._store
 
     def _wait(self, store: Store, key: str, round_: int, what: str) -> None:
-        """Wait for one key; one blocking wait (woken by set_closed's markers), no polling."""
+        """Wait for one key (set_closed fills it with a marker, so closing wakes us too)."""
         try:
-            store.wait([key], self.timeout)
+            tcp.poll_for(store, key, self.timeout)
         except StoreTimeoutError:
             arrived = store.add(ARRIVALS, 0) - round_ * self.world_size
             raise RendezvousTimeoutError(
@@ -283,7 +283,7 @@ class StaticRendezvousHandler(RendezvousHandler):
             # cannot go on without node 0's store anyway.
             if self.rank == 0 and store.check([CLOSED]):
                 try:
-                    store.wait([FINISHED_ALL], self.shutdown_timeout)
+                    tcp.poll_for(store, FINISHED_ALL, self.shutdown_timeout)
                 except StoreTimeoutError:
                     done = store.add(FINISHED, 0)
                     log.warning(

@@ -101,6 +101,26 @@ class PrefixedTorchStore:
         return bool(self._call(f"delete {key!r}", self._store.delete_key, self._k(key)))
 
 
+def poll_for(store: Any, key: str, timeout: timedelta) -> None:
+    """Wait for ``key`` by polling ``check``; raise ``StoreTimeoutError`` after ``timeout``.
+
+    Not torch's blocking ``wait``: while the main thread sits in that C++ call, Python
+    signal handlers cannot run, so a SIGTERM to the agent would wait out the whole
+    rendezvous timeout (600 s by default). Sleeping here keeps the agent interruptible,
+    and a time-out logs no C++ warning. The back-off (2 ms growing to 100 ms) keeps a
+    key that appears soon -- the usual case -- cheap to notice, and the load on node 0's
+    store at about 10 checks a second per waiting node.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = 0.002
+    while not store.check([key]):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StoreTimeoutError(f"{key!r} did not appear within {timeout.total_seconds():g}s")
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 1.5, 0.1)
+
+
 def free_port() -> int:
     """A port the kernel says is free now, for this round's workers' MASTER_PORT.
 
