@@ -15,6 +15,7 @@ Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
     rdzv/round/<r>/complete         true once every node registered (or the closed marker)
     rdzv/round/<r>/assignment       {"round", "master_addr", "master_port", "world_size",
                                      "members"}  (or the closed marker)
+    rdzv/job                        {"world_size"}, written by node 0 when it hosts
     rdzv/latest                     the last assignment, with every node's record and time
     rdzv/closed                     true once set_closed was called
     rdzv/finished, rdzv/finished_all   shutdown counter and its "everyone is done" flag
@@ -49,6 +50,7 @@ from elastic.plugins.rdzv_static.store import (
     CLOSED,
     FINISHED,
     FINISHED_ALL,
+    JOB,
     LATEST,
     round_key,
 )
@@ -115,6 +117,8 @@ class StaticRendezvousHandler(RendezvousHandler):
                     self.master_addr, self.master_port, self.timeout
                 )
             self._store = tcp.PrefixedTorchStore(self._tcp_store, self.prefix, self.timeout)
+            if self.rank == 0:  # lets `elastic status` show the size before a round forms
+                self._store.set(JOB, json.dumps({"world_size": self.world_size}))
         return self._store
 
     def _wait(self, store: Store, key: str, round_: int, what: str) -> None:

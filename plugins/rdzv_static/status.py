@@ -14,7 +14,7 @@ from typing import Any
 from elastic.core.rendezvous import JobStatus, MemberStatus
 from elastic.core.store import Store
 from elastic.plugins.rdzv_static import store as tcp
-from elastic.plugins.rdzv_static.store import ARRIVALS, CLOSED, LATEST
+from elastic.plugins.rdzv_static.store import ARRIVALS, CLOSED, JOB, LATEST
 
 RESTARTS = "agent/restarts"  # the agent's job-wide restart counter
 FAILED = "agent/failed"
@@ -38,7 +38,8 @@ def describe(
     raw_store = tcp.connect_store(master_addr, master_port, limit)
     store = tcp.PrefixedTorchStore(raw_store, prefix, limit)
     latest = _read(store, LATEST) or {}
-    world_size = int(latest.get("world_size") or 0)
+    job = _read(store, JOB) or {}
+    world_size = int(latest.get("world_size") or job.get("world_size") or 0)
     round_ = int(latest.get("round") or 0)
     arrivals = _read(store, ARRIVALS) or 0
     nodes = latest.get("nodes") or []

@@ -20,6 +20,7 @@ from elastic.core.store import StoreTimeoutError
 ARRIVALS = "rdzv/arrivals"
 CLOSED = "rdzv/closed"
 LATEST = "rdzv/latest"
+JOB = "rdzv/job"
 FINISHED = "rdzv/finished"
 FINISHED_ALL = "rdzv/finished_all"
 
