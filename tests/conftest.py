@@ -8,11 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from elastic.core.spec import WorkerSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -91,6 +94,27 @@ def run_elastic(
         timeout=timeout,
         env=cli_env(env),
         cwd=cwd,
+    )
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> str:
+    """A worker script from an indented literal; returns its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def make_spec(handler: Any, args: tuple[str, ...], nproc: int = 2, **kwargs: Any) -> WorkerSpec:
+    """A WorkerSpec with test-friendly defaults: fast monitoring, short grace."""
+    kwargs.setdefault("monitor_interval", 0.05)
+    kwargs.setdefault("shutdown_timeout", 2.0)
+    return WorkerSpec(
+        role=kwargs.pop("role", "default"),
+        local_world_size=nproc,
+        entrypoint=kwargs.pop("entrypoint", sys.executable),
+        args=args,
+        rdzv_handler=handler,
+        **kwargs,
     )
 
 
