@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import make_distribution as make_dist
 from elastic.core import checkpoint as ckpt
 from elastic.plugins.checkpoint_fs import HEADER, FsCheckpointer
 
@@ -199,15 +200,6 @@ class MemoryCheckpointer:
         read(io.BytesIO(STORE[(self.name, max(steps))]))
         return max(steps)
 """
-
-
-def make_dist(root: Path, dist: str, entry_points: str, modules: dict[str, str]) -> None:
-    info = root / f"{dist}-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(entry_points)
-    for name, source in modules.items():
-        (root / f"{name}.py").write_text(source)
 
 
 def test_third_party_checkpointer_through_entry_points(

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_elastic
+from conftest import REPO, cli_env, make_distribution, run_elastic
 
 BAD_INPUTS = [
     (["--nnodes=4:2"], "MIN (4) must not exceed MAX (2)"),
@@ -102,17 +102,6 @@ def test_cli_never_imports_torch(argv: list[str]) -> None:
     assert "torch" not in modules
     if argv == ["--help"]:
         assert not any(m.startswith("elastic.plugins.") for m in modules)
-
-
-def make_distribution(root: Path, name: str, entry_points: str, modules: dict[str, str]) -> Path:
-    """A real installed distribution as pip leaves it: dist-info + modules on a path."""
-    dist_info = root / f"{name}-0.1.dist-info"
-    dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (dist_info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
-    for module, source in modules.items():
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-    return root
 
 
 def test_plugins_list_shows_builtins_and_third_party(tmp_path: Path) -> None:

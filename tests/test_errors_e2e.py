@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, run_elastic
+from conftest import cli_env, make_distribution, run_elastic
 
 e2e = pytest.mark.slow  # multi-process end-to-end tests
 
@@ -158,12 +158,12 @@ def elastic_run_failed(summary):
 def make_plugin(tmp_path: Path) -> tuple[dict[str, str], Path]:
     """A throwaway installed distribution with an ``elastic.plugins`` entry point, as pip
     would leave it, and the environment that puts it on the subprocess's path."""
-    site = tmp_path / "site"
-    dist = site / "myplug-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[elastic.plugins]\nmyplug = myplug_mod\n")
-    (site / "myplug_mod.py").write_text(PLUGIN)
+    site = make_distribution(
+        tmp_path / "site",
+        "myplug",
+        "[elastic.plugins]\nmyplug = myplug_mod\n",
+        {"myplug_mod": PLUGIN},
+    )
     out = tmp_path / "hooks.jsonl"
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, "MYPLUG_OUT": str(out)}, out

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import make_distribution as make_dist
 from elastic.core import metrics
 from elastic.core.metrics import MetricData, configure_sinks, put_metric, timed
 
@@ -181,17 +182,6 @@ def test_timed_decorator_and_block(tmp_path: Path) -> None:
     ]
     assert 0 <= rows[0]["value"] < 1
     assert work.__name__ == "work"
-
-
-def make_dist(root: Path, dist: str, entry_points: str, modules: dict[str, str]) -> Path:
-    """A throwaway installed distribution, laid out exactly as pip leaves one."""
-    info = root / f"{dist}-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(entry_points)
-    for name, source in modules.items():
-        (root / f"{name}.py").write_text(source)
-    return root
 
 
 @pytest.fixture
