@@ -1,0 +1,283 @@
+"""N agents on loopback with the c10d rendezvous: ``elastic run`` against ``torchrun``.
+
+Each run starts N agents (default 8) as separate processes, each with
+``--nnodes=N --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:<free port>
+--rdzv-id=<unique>``; ours is ``python -m elastic run``, torchrun is
+``python -m torch.distributed.run``. The worker (``workers/allreduce.py``) writes
+``time.time()`` as its first statement, then does ``init_process_group("gloo")``, one
+``all_reduce`` and ``destroy_process_group``.
+
+Measured per run, from just before the first agent's ``Popen``:
+
+  wall      until every agent has exited (every exit code must be 0; failures are
+            reported, not timed)
+  workers   until the last of the N workers has started (its first statement)
+  done      until the last worker has finished its all_reduce and destroyed the group
+            (the rest of ``wall`` is the workers' and agents' exit)
+
+The two launchers alternate (who goes first alternates each repetition) after a discarded
+warm-up run of each. Each run is capped (``--timeout``, 120 s): on timeout every agent's
+process group and every worker under it is SIGKILLed. Both launchers run with
+``RES_OPTIONS="timeout:1 attempts:1"`` (see docs/benchmarks.md). Prints a table and JSON.
+
+    python bench/agents_c10d.py --agents 8 --repeat 3 [--impls ours,torchrun] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "workers" / "allreduce.py"
+METRICS = ("wall", "workers", "done")
+
+
+def launcher(impl: str) -> list[str]:
+    if impl == "ours":
+        return [sys.executable, "-m", "elastic", "run"]
+    if impl == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run"]
+    raise ValueError(impl)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant's process group."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.killpg(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def one_run(
+    impl: str, agents: int, env: dict[str, str], work: Path, timeout: float
+) -> dict[str, Any]:
+    """Start ``agents`` agents of ``impl``; return wall/workers times or the failure."""
+    out_dir = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=work))
+    port = free_port()
+    cmd = [
+        *launcher(impl),
+        f"--nnodes={agents}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=bench-{uuid.uuid4().hex[:12]}",
+        "--max-restarts=0",
+        str(WORKER),
+        str(out_dir),
+    ]
+    procs: list[subprocess.Popen[bytes]] = []
+    exits: dict[int, tuple[int, float]] = {}
+    lock = threading.Lock()
+
+    def waiter(index: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        with lock:
+            exits[index] = (code, time.time())
+
+    threads = []
+    logs = [out_dir / f"agent{i}.log" for i in range(agents)]
+    started = time.time()
+    for i in range(agents):
+        with open(logs[i], "wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        procs.append(proc)
+        thread = threading.Thread(target=waiter, args=(i, proc), daemon=True)
+        thread.start()
+        threads.append(thread)
+    deadline = started + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.time()))
+    timed_out = any(thread.is_alive() for thread in threads)
+    for proc in procs:  # stragglers (timeout) and any orphaned worker (failure)
+        kill_tree(proc.pid)
+    for thread in threads:
+        thread.join()
+    starts = [json.loads(p.read_text())["t"] for p in out_dir.glob("start-*.json")]
+    dones = [json.loads(p.read_text())["t"] for p in out_dir.glob("done-*.json")]
+    result: dict[str, Any] = {"dir": str(out_dir), "port": port}
+    codes = [exits[i][0] for i in range(agents)]
+    if timed_out or any(codes) or len(starts) != agents or len(dones) != agents:
+        tails = {
+            f"agent{i}": logs[i].read_text(errors="replace")[-1500:]
+            for i in range(agents)
+            if timed_out or codes[i] != 0
+        }
+        result.update(
+            ok=False,
+            reason=f"timed out after {timeout:g}s" if timed_out else "non-zero exit",
+            exit_codes=codes,
+            workers_started=len(starts),
+            workers_done=len(dones),
+            log_tails=tails,
+        )
+        return result
+    result.update(
+        ok=True,
+        wall=max(t for _, t in exits.values()) - started,
+        workers=max(starts) - started,
+        done=max(dones) - started,
+    )
+    return result
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    if not samples:
+        return {"samples": [], "median": None, "min": None, "max": None, "stdev": None}
+    return {
+        "samples": [round(s, 3) for s in samples],
+        "median": round(statistics.median(samples), 3),
+        "min": round(min(samples), 3),
+        "max": round(max(samples), 3),
+        "stdev": round(statistics.stdev(samples), 3) if len(samples) > 1 else 0.0,
+    }
+
+
+def render(results: dict[str, Any], impls: list[str], failures: dict[str, int]) -> str:
+    columns = " ".join(f"{i + ' median [min-max]':>28}" for i in impls)
+    head = f"{'metric':<8} {columns} {'ratio':>7}"
+    lines = [head, "-" * len(head)]
+    for metric, entry in results.items():
+        cells = []
+        for impl in impls:
+            s = entry[impl]
+            cell = (
+                "-" if s["median"] is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+            )
+            cells.append(cell.rjust(28))
+        ratio = entry.get("ratio")
+        lines.append(
+            f"{metric:<8} " + " ".join(cells) + f" {'' if ratio is None else f'{ratio:.3f}':>7}"
+        )
+    lines.append("failed runs: " + ", ".join(f"{i} {failures[i]}" for i in impls))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0, help="cap per run, seconds")
+    parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
+    parser.add_argument("--json", dest="json_path", help="also write the JSON here")
+    parser.add_argument("--keep-dirs", action="store_true", help="keep agent logs and stamps")
+    parser.add_argument(
+        "--keep-resolver",
+        action="store_true",
+        help="don't set RES_OPTIONS='timeout:1 attempts:1' (see docs/benchmarks.md)",
+    )
+    args = parser.parse_args(argv)
+    impls = [i for i in args.impls.split(",") if i]
+    env = dict(os.environ)
+    if not args.keep_resolver:
+        env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    samples: dict[str, dict[str, list[float]]] = {m: {i: [] for i in impls} for m in METRICS}
+    failed: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="elastic-agents-c10d-"))
+    for _ in range(args.warmup):
+        for impl in impls:
+            r = one_run(impl, args.agents, env, work, args.timeout)
+            print(f"  warmup {impl}: {'ok' if r['ok'] else r['reason']}", file=sys.stderr)
+    for i in range(args.repeat):
+        for impl in impls if i % 2 == 0 else impls[::-1]:
+            r = one_run(impl, args.agents, env, work, args.timeout)
+            if r["ok"]:
+                for metric in METRICS:
+                    samples[metric][impl].append(r[metric])
+                note = " ".join(f"{m} {r[m]:.2f}s" for m in METRICS)
+            else:
+                failed[impl].append({"repeat": i, **r})
+                note = f"FAILED ({r['reason']}, exit codes {r['exit_codes']}, dir {r['dir']})"
+            print(f"  {impl} #{i}: {note}", file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    results: dict[str, Any] = {}
+    for metric in METRICS:
+        entry: dict[str, Any] = {i: summarize(samples[metric][i]) for i in impls}
+        entry["unit"] = "s"
+        if {"ours", "torchrun"} <= set(impls) and entry["torchrun"]["median"]:
+            ours = entry["ours"]["median"]
+            entry["ratio"] = None if ours is None else round(ours / entry["torchrun"]["median"], 3)
+        results[metric] = entry
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "launchers": {i: launcher(i) for i in impls},
+        "agents": args.agents,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+        "timeout": args.timeout,
+        "res_options": env.get("RES_OPTIONS"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in load_after],
+        },
+        "results": results,
+        "failures": failed,
+    }
+    print(render(results, impls, {i: len(failed[i]) for i in impls}))
+    print(
+        f"load average before {report['machine']['loadavg_before']}, after "
+        f"{report['machine']['loadavg_after']}"
+    )
+    print(json.dumps(report, indent=2))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    if not args.keep_dirs and not any(failed.values()):
+        shutil.rmtree(work, ignore_errors=True)
+    elif any(failed.values()) or args.keep_dirs:
+        print(f"agent logs kept in {work}", file=sys.stderr)
+    return 1 if any(failed.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
