@@ -41,18 +41,22 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from elastic.core.fingerprint import FIELDS as FINGERPRINT_FIELDS
 from elastic.core.registry import get_rendezvous_handler
 from elastic.core.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousMismatchError,
     RendezvousParameters,
+    StatusNotSupportedError,
 )
 
 
@@ -287,3 +291,54 @@ class RendezvousConformance:
         with pytest.raises(RendezvousConfigError) as err:
             get_rendezvous_handler(params)
         assert "surely_not_a_key" in str(err.value) and "accepted" in str(err.value)
+
+    def test_describe_is_read_only_and_names_the_members(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        infos = rendezvous_all(nodes.make(run_id, 2, 2, n=2))
+        viewer = get_rendezvous_handler(replace(rdzv_target.params(run_id, 1, 1), read_only=True))
+        try:
+            status = viewer.describe()
+        except StatusNotSupportedError:
+            pytest.skip(f"the {rdzv_target.backend} backend does not describe jobs")
+        finally:
+            viewer.shutdown()
+        assert (status.run_id, status.backend, status.state) == (
+            run_id,
+            rdzv_target.backend,
+            "running",
+        )
+        assert status.round == infos[0].round
+        assert sorted(m.rank for m in status.members) == [0, 1]
+        assert (status.min_nodes, status.max_nodes) == (2, 2)
+        # Reading changed nothing: the members see no newcomer and no lost node.
+        assert all(h.num_nodes_waiting() == 0 and not h.lost_nodes() for h in nodes.handlers)
+
+    def test_describe_of_an_unknown_job_is_an_error(
+        self, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        # Either answer is right: the backend cannot be reached for a job nobody started
+        # (c10d: no agent hosts its store), or it is reached and knows no such job.
+        with pytest.raises(RendezvousError):
+            params = replace(rdzv_target.params(run_id, 1, 1), read_only=True)
+            viewer = get_rendezvous_handler(params)
+            try:
+                viewer.describe()
+            finally:
+                viewer.shutdown()
+
+    def test_mismatched_fingerprint_is_refused(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        job = {field: "same" for field in FINGERPRINT_FIELDS}
+        first = get_rendezvous_handler(replace(rdzv_target.params(run_id, 1, 2), fingerprint=job))
+        nodes.handlers.append(first)
+        first.next_rendezvous()
+        other = get_rendezvous_handler(
+            replace(rdzv_target.params(run_id, 1, 2), fingerprint={**job, "torch": "other"})
+        )
+        nodes.handlers.append(other)
+        with pytest.raises(RendezvousMismatchError) as refused:
+            other.next_rendezvous()
+        assert refused.value.fields == {"torch": ("same", "other")}
+        assert first.num_nodes_waiting() == 0  # the running job never saw the refused node

@@ -8,11 +8,13 @@ read_timeout, retry_timeout. ``RendezvousInfo.store`` is an etcd ``Store`` under
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 from typing import Any
 
 import etcd
+from elastic.core.fingerprint import VERSION_FIELDS
 from elastic.core.rendezvous import (
     JobStatus,
     MemberStatus,
@@ -102,7 +104,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self.params.fingerprint,
             self.params.allow_mismatch,
         )
-        me = {"node_id": self.node, "host": self.host, "port": pick_free_port()}
+        me = {
+            "node_id": self.node,
+            "host": self.host,
+            "port": pick_free_port(),
+            "pid": os.getpid(),
+            "versions": {k: v for k, v in self.params.fingerprint.items() if k in VERSION_FIELDS},
+        }
         state, rank = self.rdzv.barrier(me)
         members = [p["node_id"] for p in state["participants"]]
         rank0 = state["participants"][0]
@@ -193,7 +201,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         try:
             _, state = self.rdzv.get_state()
         except etcd.EtcdKeyNotFound:
-            state = {}
+            raise RendezvousError(
+                f"no job with id {self.params.run_id!r} in etcd at {self.params.endpoint} "
+                "(no node has joined it)"
+            ) from None
         status = state.get("status")
         version = state.get("version")
         participants: list[dict[str, Any]] = state.get("participants", [])
@@ -204,9 +215,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 node_id=p["node_id"],
                 host=p.get("host", ""),
                 rank=rank,
-                pid=None,
+                pid=p.get("pid"),
                 local_world_size=None,
                 heartbeat_age=0.0 if leases[rank] in alive else None,
+                versions=dict(p.get("versions") or {}),
             )
             for rank, p in enumerate(participants)
         ]
@@ -216,8 +228,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             state="closed" if status == "closed" else "running" if status == "final" else "waiting",
             round=int(version or 0),
             round_formed_at=None,
-            min_nodes=self.params.min_nodes,
-            max_nodes=self.params.max_nodes,
+            min_nodes=int(state.get("min_nodes", self.params.min_nodes)),
+            max_nodes=int(state.get("max_nodes", self.params.max_nodes)),
             members=members,
             waiting=int(state.get("num_workers_waiting", 0)) if status == "final" else 0,
         )

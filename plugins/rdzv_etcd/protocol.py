@@ -158,7 +158,13 @@ class EtcdRendezvous:
                 f"unexpected state of {self.path('/rdzv/version_counter')}: {exc}"
             ) from None
         self.client.call("write", self.path(f"/rdzv/v_{version}"), None, dir=True, prevExist=False)
-        joinable = {"status": "joinable", "version": version, "participants": []}
+        joinable = {
+            "status": "joinable",
+            "version": version,
+            "participants": [],
+            "min_nodes": self.min_nodes,  # for `elastic status`; the protocol ignores them
+            "max_nodes": self.max_nodes,
+        }
         return self.client.call(
             "write",
             self.path("/rdzv/active_version"),
