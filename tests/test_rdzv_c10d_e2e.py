@@ -185,3 +185,34 @@ def test_restart_budget_is_job_wide(job) -> None:  # noqa: ANN001
     results = [r for a in agents for r in a.results()]
     assert {r[3] for r in results} == {1}, results  # TORCHELASTIC_RESTART_COUNT everywhere
     assert len(results) == 2
+
+
+def test_two_jobs_on_one_endpoint_never_merge(job) -> None:  # noqa: ANN001
+    other = ("--rdzv-id=other",)
+    first = [job.host("2"), job("2")]
+    second = [job("2", args=other), job("2", args=other)]
+    everyone = first + second
+    assert wait_until(lambda: all(a.results() for a in everyone), 60), "".join(
+        a.text() for a in everyone
+    )
+    for pair in (first, second):
+        results = [r for a in pair for r in a.results()]
+        assert sorted(r[0] for r in results) == [0, 1]
+        assert {(r[1], r[4]) for r in results} == {(2, 3)}  # world 2, sum 1+2
+    # The second job finishes first: the store's host belongs to the first.
+    job.stop.touch()
+    for agent in second + first:
+        assert agent.wait(60) == 0, agent.text()
+
+
+def test_forged_join_is_ignored_with_a_token(job) -> None:  # noqa: ANN001
+    token = {"ELASTIC_RDZV_TOKEN": "the-real-token"}
+    members = [job.host("2:3", extra_env=token), job("2:3", extra_env=token)]
+    assert wait_until(lambda: all(a.results() for a in members), 40), members[0].text()
+    forger = job("2:3", extra_env={"ELASTIC_RDZV_TOKEN": "a-guess"})
+    time.sleep(8)  # several last-call windows: a real newcomer would have been admitted
+    assert forger.results() == []
+    assert all(len(a.results()) == 1 and a.results()[0][1] == 2 for a in members)
+    assert forger.proc.poll() is None  # still outside, waiting for a round it cannot form
+    forger.kill_node()
+    finish(members, job.stop)
