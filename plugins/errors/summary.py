@@ -127,7 +127,7 @@ def render_summary(summary: FailureSummary) -> str:
         "=" * WIDTH,
         title,
         "-" * WIDTH,
-        "Root cause (first failure in the job):",
+        "Root cause (first failure in the job, last round):",
         render_failure(root),
         "-" * WIDTH,
     ]
