@@ -12,9 +12,10 @@ chosen rank's progress file (``rank<N>.json``: pid, step) reaches the chosen ste
 pid is SIGKILLed, once. The kill rank and step come from a seeded RNG per run index, so
 run i kills the same rank at the same step for both launchers. Then the bench waits for
 the launcher to exit: exit 0 = finished, non-zero = failed, still running ``--timeout``
-seconds after the kill = hung (every process under the launcher is SIGKILLed). A finished
-run's ``params.json`` (float.hex of every parameter) is compared byte for byte with a
-reference run of the same launcher without failures.
+seconds after the kill = hung (the processes under the launcher are listed, their Python
+stacks dumped with ``py-spy`` when it is installed, into ``hang-stacks.txt``, then all
+SIGKILLed). A finished run's ``params.json`` (float.hex of every parameter) is compared
+byte for byte with a reference run of the same launcher without failures.
 
 The launchers alternate run by run (who goes first alternates), both with
 ``RES_OPTIONS="timeout:1 attempts:1"`` (see docs/benchmarks.md). Prints a table and JSON;
@@ -30,6 +31,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -102,6 +104,33 @@ def kill_stray_workers(pids: set[int]) -> list[int]:
     return killed
 
 
+def snapshot(root: int, path: Path) -> list[dict[str, Any]]:
+    """Before killing a hung job: every process under it (state, command) and, when
+    ``py-spy`` is installed, each one's Python stacks, written to ``path``."""
+    procs = []
+    chunks = []
+    for pid in [root, *descendants(root)]:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        state = stat.rsplit(")", 1)[1].split()[0]
+        procs.append({"pid": pid, "state": state, "cmd": cmdline.strip()[-200:]})
+        chunks.append(f"=== pid {pid} state {state}: {cmdline.strip()}")
+        if shutil.which("py-spy"):
+            dump = subprocess.run(
+                ["py-spy", "dump", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            chunks.append(dump.stdout + dump.stderr)
+    path.write_text("\n".join(chunks) + "\n")
+    return procs
+
+
 def read_progress(progress: Path, rank: int) -> dict[str, Any] | None:
     try:
         return json.loads((progress / f"rank{rank}.json").read_text())
@@ -166,6 +195,7 @@ def one_run(
         code: int | None = proc.wait(timeout=max(0.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
         code = None
+        result["hang_processes"] = snapshot(proc.pid, run_dir / "hang-stacks.txt")
         kill_tree(proc.pid)
         proc.wait()
     result["seconds"] = round(time.time() - started, 3)
