@@ -120,7 +120,7 @@ def snapshot(root: int, path: Path) -> list[dict[str, Any]]:
         chunks.append(f"=== pid {pid} state {state}: {cmdline.strip()}")
         if shutil.which("py-spy"):
             dump = subprocess.run(
-                ["py-spy", "dump", "--pid", str(pid)],
+                ["py-spy", "dump", "--native", "--pid", str(pid)],
                 capture_output=True,
                 text=True,
                 timeout=30,
