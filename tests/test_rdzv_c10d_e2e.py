@@ -53,7 +53,8 @@ class Agent:
             self.lines.append(line)
 
     def results(self) -> list[tuple[int, ...]]:
-        return [tuple(map(int, m.groups())) for line in self.lines if (m := RESULT.search(line))]
+        # Workers share the console and run with -u, so one line may hold two results.
+        return [tuple(map(int, m.groups())) for m in RESULT.finditer("".join(self.lines))]
 
     def text(self) -> str:
         self._reader.join(timeout=5) if self.proc.poll() is not None else None

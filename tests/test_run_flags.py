@@ -3,6 +3,7 @@ and a launch configured only through PET_* variables (as Kubeflow's PyTorchJob d
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from conftest import run_elastic
@@ -33,7 +34,8 @@ def test_virtual_local_rank_gives_each_worker_one_gpu(tmp_path: Path) -> None:
         env={"CUDA_VISIBLE_DEVICES": "3,5"},
     )
     assert result.returncode == 0, result.stderr
-    lines = sorted(ln for ln in result.stdout.splitlines() if ln.startswith("LR"))
+    # Both workers write to the console unbuffered: match records, not lines.
+    lines = sorted(re.findall(r"LR \d+ CVD \S+ RANK \d+ WS \d+", result.stdout))
     assert lines == ["LR 0 CVD 3 RANK 0 WS 2", "LR 0 CVD 5 RANK 1 WS 2"]
 
 
