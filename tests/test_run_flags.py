@@ -3,6 +3,7 @@ and a launch configured only through PET_* variables (as Kubeflow's PyTorchJob d
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -86,3 +87,22 @@ def test_flag_overrides_its_pet_variable(tmp_path: Path) -> None:
     assert [ln for ln in result.stdout.splitlines() if ln.startswith("LR")] == [
         "LR 0 CVD None RANK 0 WS 1"
     ]
+
+
+def test_event_log_handler_console_prints_agent_events(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    quiet = run_elastic("run", "--standalone", "--nproc-per-node=2", str(script))
+    assert "torchelastic." not in quiet.stderr
+    result = run_elastic(
+        "run", "--standalone", "--nproc-per-node=2", "--event-log-handler=console", str(script)
+    )
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(ln) for ln in result.stderr.splitlines() if ln.startswith('{"name"')]
+    names = [e["name"] for e in events]
+    assert names[0] == "torchelastic.agent.start"
+    assert "torchelastic.rendezvous.complete" in names
+    started = next(e for e in events if e["name"] == "torchelastic.workers.started")
+    assert len(started["metadata"]["pids"]) == 2
+    assert events[-1]["name"] == "torchelastic.run.end"
+    assert events[-1]["metadata"]["state"] == "SUCCEEDED"
+    assert all(e["source"] == "AGENT" and e["timestamp"] > 0 for e in events)
