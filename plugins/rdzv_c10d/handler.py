@@ -27,6 +27,7 @@ from elastic.plugins.rdzv_c10d.store import (
     connect_store,
     host_store,
     parse_endpoint,
+    probe,
     route_address,
     try_listen,
 )
@@ -64,6 +65,8 @@ class C10dRendezvousHandler(RendezvousHandler):
             log.info("hosting the c10d rendezvous store on %s", where)
             client = self._server  # the hosting TCPStore is also a client of itself
         else:
+            if params.read_only:
+                probe(self.host, self.port)
             client = connect_store(self.host, self.port, settings.read_timeout)
         self._client = client
         self.job_store = PrefixStore(client, job_prefix(self.run_id), where)

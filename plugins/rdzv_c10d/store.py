@@ -115,6 +115,17 @@ def host_store(sock: socket.socket, host: str, port: int, timeout: float) -> Any
     )
 
 
+def probe(host: str, port: int, timeout: float = 3.0) -> None:
+    """Fail at once when nothing listens: for readers (``elastic status``), which never
+    wait for a host to appear, and need not pay for importing torch to learn it."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {host}:{port}: {exc.strerror or exc}"
+        ) from None
+
+
 def connect_store(host: str, port: int, timeout: float) -> Any:
     from torch.distributed import TCPStore
 
