@@ -100,18 +100,18 @@ def status_command(
     """Show a running job: its state, round, members, restarts and root cause."""
     if watch is not None and watch <= 0:
         raise click.BadParameter("expected a positive number of seconds", param_hint="'--watch'")
-    while True:
-        try:
-            status = describe_job(rdzv_backend, rdzv_endpoint, rdzv_id)
-        except (RendezvousError, LookupError) as exc:
-            click.echo(f"elastic status: error: {exc}", err=True)
-            sys.exit(1)
-        text = json.dumps(status_dict(status), indent=2) if as_json else render(status)
-        if watch is None:
-            click.echo(text)
-            return
-        click.echo("\x1b[2J\x1b[H" + text, nl=True)  # clear screen, cursor home
-        try:
+    try:
+        while True:
+            try:
+                status = describe_job(rdzv_backend, rdzv_endpoint, rdzv_id)
+            except (RendezvousError, LookupError) as exc:
+                click.echo(f"elastic status: error: {exc}", err=True)
+                sys.exit(1)
+            text = json.dumps(status_dict(status), indent=2) if as_json else render(status)
+            if watch is None:
+                click.echo(text)
+                return
+            click.echo("\x1b[2J\x1b[H" + text)  # clear the screen, cursor home
             time.sleep(watch)
-        except KeyboardInterrupt:
-            return
+    except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
+        return

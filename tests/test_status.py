@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,3 +181,22 @@ def test_mismatched_nodes_are_refused_and_allowed_on_purpose(job, tmp_path: Path
     )
     wait_for_members(job, 3)
     assert allowed.poll() is None
+
+
+def test_watch_redraws_until_interrupted(job: Job, procs: Processes) -> None:
+    job("--rdzv-conf", job.fast)
+    job("--rdzv-conf", job.fast)
+    wait_for_members(job, 2)
+    watcher = procs.elastic(
+        "status",
+        f"--rdzv-backend={job.backend}",
+        f"--rdzv-endpoint={job.endpoint}",
+        "--rdzv-id=statusjob",
+        "--watch=0.3",
+    )
+    time.sleep(3)
+    watcher.send_signal(signal.SIGINT)
+    out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err
+    assert out.count(f"job statusjob ({job.backend}): running") >= 2  # redrawn
+    assert "Traceback" not in err
