@@ -30,9 +30,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,56 +39,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from common import free_port, kill_tree, module_launcher, sample_stats, write_report
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "allreduce.py"
 METRICS = ("wall", "workers", "done")
-
-
-def launcher(impl: str) -> list[str]:
-    if impl == "ours":
-        return [sys.executable, "-m", "elastic", "run"]
-    if impl == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run"]
-    raise ValueError(impl)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant's process group."""
-    for target in [pid, *descendants(pid)]:
-        try:
-            os.killpg(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def one_run(
@@ -101,7 +53,7 @@ def one_run(
     out_dir = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=work))
     port = free_port()
     cmd = [
-        *launcher(impl),
+        *module_launcher(impl),
         f"--nnodes={agents}",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -171,13 +123,7 @@ def one_run(
 def summarize(samples: list[float]) -> dict[str, Any]:
     if not samples:
         return {"samples": [], "median": None, "min": None, "max": None, "stdev": None}
-    return {
-        "samples": [round(s, 3) for s in samples],
-        "median": round(statistics.median(samples), 3),
-        "min": round(min(samples), 3),
-        "max": round(max(samples), 3),
-        "stdev": round(statistics.stdev(samples), 3) if len(samples) > 1 else 0.0,
-    }
+    return sample_stats(samples, digits=3)
 
 
 def render(results: dict[str, Any], impls: list[str], failures: dict[str, int]) -> str:
@@ -249,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         results[metric] = entry
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: launcher(i) for i in impls},
+        "launchers": {i: module_launcher(i) for i in impls},
         "agents": args.agents,
         "repeat": args.repeat,
         "warmup": args.warmup,
@@ -269,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {report['machine']['loadavg_before']}, after "
         f"{report['machine']['loadavg_after']}"
     )
-    print(json.dumps(report, indent=2))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json_path)
     if not args.keep_dirs and not any(failed.values()):
         shutil.rmtree(work, ignore_errors=True)
     elif any(failed.values()) or args.keep_dirs:

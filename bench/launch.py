@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from common import sample_stats, write_report
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "workers" / "probe.py"
@@ -157,13 +158,7 @@ def measure(scenario: str, impl: str, env: dict[str, str], work: Path) -> float:
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:
-    return {
-        "samples": [round(s, 4) for s in samples],
-        "median": round(statistics.median(samples), 4),
-        "min": round(min(samples), 4),
-        "max": round(max(samples), 4),
-        "stdev": round(statistics.stdev(samples), 4) if len(samples) > 1 else 0.0,
-    }
+    return sample_stats(samples)
 
 
 def render(results: dict[str, Any], impls: list[str]) -> str:
@@ -257,9 +252,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print(render(results, impls))
     print(f"load average (1 min) before/after: {report['machine']['loadavg_1m_before_after']}")
-    print(json.dumps(report, indent=2))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json_path)
     return 0
 
 

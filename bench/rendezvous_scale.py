@@ -127,6 +127,15 @@ def torchs(nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
 _keep_alive: list[Any] = []
 
 
+def add_ratio(report: dict[str, Any], torch_timeout: float) -> None:
+    """torch's median over ours; a bound when torch's handlers did not finish."""
+    a, b = report["ours"]["median"], report["torch"]["median"]
+    if a and b:
+        report["ratio"] = round(b / a, 1)
+    elif a:
+        report["ratio"] = f"> {torch_timeout / a:.0f} (torch did not finish)"
+
+
 def summary(runs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
     times = [r["seconds"] for r in runs if r["seconds"] is not None]
     out: dict[str, Any] = {
@@ -182,11 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             if theirs[-1]["seconds"] is None:
                 break  # one timeout says enough; repeating only burns the cap again
         report["torch"] = summary(theirs, args.torch_timeout)
-        a, b = report["ours"]["median"], report["torch"]["median"]
-        if a and b:
-            report["ratio"] = round(b / a, 1)
-        elif a:
-            report["ratio"] = f"> {args.torch_timeout / a:.0f} (torch did not finish)"
+        add_ratio(report, args.torch_timeout)
     print(json.dumps(report, indent=2))
     sys.stdout.flush()
     os._exit(0)  # torch's unfinished handler threads must not keep us alive

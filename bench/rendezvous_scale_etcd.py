@@ -125,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 if theirs[-1]["seconds"] is None:
                     break  # one timeout says enough
             report["torch"] = base.summary(theirs, args.torch_timeout)
-            a, b = report["ours"]["median"], report["torch"]["median"]
-            if a and b:
-                report["ratio"] = round(b / a, 1)
-            elif a:
-                report["ratio"] = f"> {args.torch_timeout / a:.0f} (torch did not finish)"
+            base.add_ratio(report, args.torch_timeout)
         print(json.dumps(report, indent=2))
         sys.stdout.flush()
     finally:

@@ -41,50 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import descendants, kill_tree, module_launcher, write_report
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_train.py"
 OUTCOMES = ("finished", "failed", "hung")
-
-
-def launcher(impl: str) -> list[str]:
-    if impl == "ours":
-        return [sys.executable, "-m", "elastic", "run"]
-    if impl == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run"]
-    raise ValueError(impl)
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant's process group."""
-    for target in [pid, *descendants(pid)]:
-        try:
-            os.killpg(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def kill_stray_workers(pids: set[int]) -> list[int]:
@@ -151,7 +112,7 @@ def one_run(
     progress.mkdir()
     ckpt.mkdir()
     cmd = [
-        *launcher(impl),
+        *module_launcher(impl),
         "--standalone",
         "--nproc-per-node=2",
         f"--max-restarts={args.max_restarts}",
@@ -333,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     refs_params = [references[i]["params"] for i in impls]
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: launcher(i) for i in impls},
+        "launchers": {i: module_launcher(i) for i in impls},
         "job": {
             "script": str(SCRIPT.relative_to(ROOT)),
             "steps": args.steps,
@@ -364,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(summary, impls))
     m = report["machine"]
     print(f"load average before {m['loadavg_before']}, after {m['loadavg_after']}")
-    print(json.dumps(report, indent=2))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json_path)
     return 0
 
 
