@@ -39,7 +39,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import free_port, kill_tree, module_launcher, sample_stats, write_report
+from common import (
+    add_report_options,
+    bench_env,
+    free_port,
+    kill_tree,
+    module_launcher,
+    sample_stats,
+    write_report,
+)
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "allreduce.py"
@@ -153,18 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="cap per run, seconds")
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
-    parser.add_argument("--json", dest="json_path", help="also write the JSON here")
     parser.add_argument("--keep-dirs", action="store_true", help="keep agent logs and stamps")
-    parser.add_argument(
-        "--keep-resolver",
-        action="store_true",
-        help="don't set RES_OPTIONS='timeout:1 attempts:1' (see docs/benchmarks.md)",
-    )
+    add_report_options(parser)
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
-    env = dict(os.environ)
-    if not args.keep_resolver:
-        env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    env = bench_env(args)
     samples: dict[str, dict[str, list[float]]] = {m: {i: [] for i in impls} for m in METRICS}
     failed: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
     load_before = os.getloadavg()

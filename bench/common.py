@@ -5,6 +5,7 @@ The scripts run as ``python bench/NAME.py``, so this directory is on ``sys.path`
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -80,3 +81,23 @@ def write_report(report: dict[str, Any], json_path: str | None) -> None:
     print(text)
     if json_path:
         Path(json_path).write_text(text + "\n")
+
+
+def add_report_options(parser: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--keep-resolver``, the options every side-by-side bench takes."""
+    parser.add_argument("--json", dest="json_path", help="also write the JSON here")
+    parser.add_argument(
+        "--keep-resolver",
+        action="store_true",
+        help="don't set RES_OPTIONS='timeout:1 attempts:1' (see docs/benchmarks.md)",
+    )
+
+
+def bench_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment both launchers run in. torch's TCPStore client does a reverse DNS
+    query per connection and a lost query costs the resolver's 5 s timeout, so unless
+    ``--keep-resolver`` both sides get a short resolver timeout."""
+    env = dict(os.environ)
+    if not args.keep_resolver:
+        env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    return env

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import sample_stats, write_report
+from common import add_report_options, bench_env, sample_stats, write_report
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "workers" / "probe.py"
@@ -189,12 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--json", dest="json_path", help="also write the JSON here")
-    parser.add_argument(
-        "--keep-resolver",
-        action="store_true",
-        help="don't set RES_OPTIONS='timeout:1 attempts:1' (see docs/benchmarks.md)",
-    )
+    add_report_options(parser)
     args = parser.parse_args(argv)
     try:
         return run(args)
@@ -206,11 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     impls = [i for i in args.impls.split(",") if i]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    env = dict(os.environ)
-    if not args.keep_resolver:
-        # torch's TCPStore client does a reverse DNS query per connection; a lost query
-        # costs the resolver's 5 s timeout. Same setting for both launchers.
-        env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    env = bench_env(args)
     samples: dict[str, dict[str, list[float]]] = {s: {i: [] for i in impls} for s in scenarios}
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:

@@ -41,7 +41,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import descendants, kill_tree, module_launcher, write_report
+from common import (
+    add_report_options,
+    bench_env,
+    descendants,
+    kill_tree,
+    module_launcher,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_train.py"
@@ -240,20 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=90.0, help="hang cap, seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None, help="keep every run's output here")
-    parser.add_argument("--json", dest="json_path", help="also write the JSON here")
-    parser.add_argument(
-        "--keep-resolver",
-        action="store_true",
-        help="don't set RES_OPTIONS='timeout:1 attempts:1' (see docs/benchmarks.md)",
-    )
+    add_report_options(parser)
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     planned = {i: args.runs for i in impls}
     if "torchrun" in planned and args.torch_runs is not None:
         planned["torchrun"] = args.torch_runs
-    env = dict(os.environ)
-    if not args.keep_resolver:
-        env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    env = bench_env(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="elastic-restart-reliability-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs under {log_dir}", file=sys.stderr, flush=True)
