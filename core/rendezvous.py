@@ -31,6 +31,12 @@ class RendezvousConnectionError(RendezvousError):
     """The rendezvous backend (its store or server) cannot be reached."""
 
 
+class RendezvousStoreGoneError(RendezvousConnectionError):
+    """The store's host answered that nothing serves the store any more (connection
+    refused or reset): its process is gone, as opposed to a host that does not answer at
+    all (a partition or a dead machine), which is a plain ``RendezvousConnectionError``."""
+
+
 class RendezvousStateError(RendezvousError):
     """The rendezvous state is corrupt or unreadable (names the key where it can)."""
 
