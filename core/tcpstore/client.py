@@ -1,0 +1,279 @@
+"""``TCPStoreClient``: a torch-free client for torch's TCPStore protocol.
+
+It speaks to torch's own server (libuv or legacy) and to ``TCPStoreServer`` alike, with
+``torch.distributed.Store`` semantics. One socket, requests serialised by a lock (the
+protocol has no request ids, so a response is matched to its request by order only).
+
+Every socket operation has a deadline: a server whose link went silently down (no RST)
+is reported after ``timeout`` seconds instead of hanging. After any connection error the
+response stream can no longer be trusted, so the client is dead from then on: every
+later call raises the same kind of error.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.store import StoreTimeoutError
+from elastic.core.tcpstore import wire
+from elastic.core.tcpstore.wire import Query
+
+T = TypeVar("T")
+
+# The host answered: nothing listens there (any more), or it dropped this connection.
+_GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
+
+# recv() allocates its whole buffer up front: never trust a length from the wire for it.
+_MAX_RECV = 4 * 1024 * 1024
+
+
+class _EOF(Exception):
+    """The server closed the connection."""
+
+
+class _WaitExpired(Exception):
+    """A WAIT's own timeout passed (not a connection failure)."""
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+class TCPStoreClient:
+    """A connection to a TCPStore server at ``host:port``.
+
+    ``timeout`` (seconds) bounds every operation, and is the default for ``wait`` and
+    ``get`` (which block until their keys exist); ``connect_timeout`` (default:
+    ``timeout``) bounds the connection and handshake. Connection refused is not
+    retried: the caller decides whether a store that is not up yet is worth waiting for.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float = 10.0,
+        connect_timeout: float | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self.where = f"{host}:{port}"
+        self._lock = threading.Lock()
+        self._rbuf = bytearray()
+        self._dead: RendezvousConnectionError | None = None
+        self._closed = False
+        limit = timeout if connect_timeout is None else connect_timeout
+        handshake_deadline = time.monotonic() + limit
+        try:
+            self._sock = socket.create_connection((host, port), timeout=limit)
+        except OSError as exc:
+            raise self._connection_error(exc, "cannot connect") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # torch uses its pid as the nonce; any value does, as long as it comes back.
+        nonce = os.getpid() & 0xFFFFFFFF
+        with self._lock:
+            answer = self._roundtrip(wire.handshake(nonce), lambda _: self._u32(handshake_deadline))
+        if answer != nonce:
+            self.close()
+            raise RendezvousConnectionError(
+                f"{self.where} is not a TCPStore server (ping answered {answer:#x})"
+            )
+
+    # --- the Store API -------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes | str) -> None:
+        payload = wire.request(Query.SET, wire.blob(self._key(key)), wire.blob(_as_bytes(value)))
+        with self._lock:
+            self._roundtrip(payload, None)
+
+    def get(self, key: str) -> bytes:
+        """The value at ``key``, waiting up to ``timeout`` for it to exist (as torch)."""
+        wire_key = self._key(key)
+        with self._lock:
+            self._wait([wire_key], self.timeout, [key])
+            return self._roundtrip(wire.request(Query.GET, wire.blob(wire_key)), self._blob)
+
+    def add(self, key: str, amount: int) -> int:
+        payload = wire.request(Query.ADD, wire.blob(self._key(key)), wire.I64.pack(amount))
+        with self._lock:
+            return self._roundtrip(payload, self._i64)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """torch semantics: set ``desired`` if ``key`` holds ``expected``, or is absent and
+        ``expected`` is empty; returns the value held afterwards, except that an absent key
+        with a non-empty ``expected`` returns ``expected`` (and stays absent)."""
+        payload = wire.request(
+            Query.COMPARE_SET,
+            wire.blob(self._key(key)),
+            wire.blob(_as_bytes(expected)),
+            wire.blob(_as_bytes(desired)),
+        )
+        with self._lock:
+            return self._roundtrip(payload, self._blob)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        seconds = self.timeout if timeout is None else timeout.total_seconds()
+        wire_keys = [self._key(k) for k in keys]
+        with self._lock:
+            self._wait(wire_keys, seconds, keys)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        payload = wire.request(Query.CHECK, wire.blobs([self._key(k) for k in keys]))
+        with self._lock:
+            return self._roundtrip(payload, self._u8) == wire.READY
+
+    def delete_key(self, key: str) -> bool:
+        payload = wire.request(Query.DELETE_KEY, wire.blob(self._key(key)))
+        with self._lock:
+            return self._roundtrip(payload, self._i64) == 1
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting up to ``timeout`` for all of them (as torch)."""
+        if not keys:
+            return []
+        wire_keys = [self._key(k) for k in keys]
+        with self._lock:
+            self._wait(wire_keys, self.timeout, keys)
+            return self._roundtrip(
+                wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
+                lambda deadline: [self._blob(deadline) for _ in wire_keys],
+            )
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        payload = wire.multi_set(
+            (self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)
+        )
+        with self._lock:
+            self._roundtrip(payload, None)
+
+    def num_keys(self) -> int:
+        """Every key the server holds, including ones torch's clients keep for themselves
+        (such as ``init/``), as torch's ``num_keys`` does."""
+        with self._lock:
+            return self._roundtrip(wire.request(Query.GETNUMKEYS), self._i64)
+
+    def close(self) -> None:
+        """Idempotent; a call blocked in another thread fails at once."""
+        if not self._closed:
+            self._closed = True
+            self._drop_socket()
+
+    def __enter__(self) -> TCPStoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- protocol ------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(key: str) -> bytes:
+        return (wire.KEY_PREFIX + key).encode()
+
+    def _wait(self, wire_keys: list[bytes], seconds: float, keys: Sequence[str]) -> None:
+        """torch's ``doWait``: park a WAIT on the server; on timeout send CANCEL_WAIT and
+        read its answer (after a STOP_WAITING that crossed it, if any), so the stream stays
+        in step, then raise. Caller holds the lock."""
+        wait_deadline = time.monotonic() + max(seconds, 0.0)
+        try:
+            self._roundtrip(
+                wire.request(Query.WAIT, wire.blobs(wire_keys)),
+                lambda _: self._u8(wait_deadline, wait=True),
+            )
+            return
+        except _WaitExpired:
+            pass
+
+        def read_cancel_ack(deadline: float) -> None:
+            if self._u8(deadline) == wire.STOP_WAITING:
+                self._u8(deadline)  # the WAIT_CANCELED that follows
+
+        self._roundtrip(wire.request(Query.CANCEL_WAIT), read_cancel_ack)
+        raise StoreTimeoutError(
+            f"TCPStore {self.where}: timed out after {seconds:.1f}s waiting for {list(keys)}"
+        )
+
+    def _roundtrip(self, payload: bytes, read: Callable[[float], T] | None) -> T:
+        """Send one request and read its response by ``timeout`` from now (``read`` gets
+        that deadline; ``None``: the query has no response). A socket failure kills the
+        client and becomes a ``RendezvousConnectionError``. Caller holds the lock."""
+        if self._dead is not None:
+            raise type(self._dead)(str(self._dead))
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._sock.settimeout(self.timeout)
+            self._sock.sendall(payload)  # the timeout bounds the whole sendall
+            return read(deadline) if read is not None else None  # type: ignore[return-value]
+        except (OSError, _EOF) as exc:
+            self._dead = self._connection_error(exc, "lost the connection")
+            self._drop_socket()
+            raise self._dead from None
+
+    def _drop_socket(self) -> None:
+        try:
+            # Wakes a recv blocked in another thread, which close() alone does not.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more: closing is all there is left to do
+        self._sock.close()
+
+    def _connection_error(self, exc: BaseException, what: str) -> RendezvousConnectionError:
+        if self._closed:
+            return RendezvousConnectionError(f"TCPStore {self.where}: the client is closed")
+        if isinstance(exc, _EOF):
+            return RendezvousStoreGoneError(
+                f"TCPStore {self.where}: {what}: the server closed the connection"
+            )
+        if isinstance(exc, TimeoutError):
+            return RendezvousConnectionError(
+                f"TCPStore {self.where}: {what}: no answer in {self.timeout:.1f}s"
+            )
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        gone = isinstance(exc, OSError) and exc.errno in _GONE_ERRNOS
+        cls = RendezvousStoreGoneError if gone else RendezvousConnectionError
+        return cls(f"TCPStore {self.where}: {what}: {reason}")
+
+    def _read(self, n: int, deadline: float, wait: bool = False) -> bytes:
+        """Exactly ``n`` bytes by ``deadline``. ``wait``: this is a WAIT's answer, whose
+        deadline passing is ``_WaitExpired``, not a dead connection."""
+        while len(self._rbuf) < n:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError(errno.ETIMEDOUT, "timed out")
+                self._sock.settimeout(remaining)
+                chunk = self._sock.recv(min(max(65536, n - len(self._rbuf)), _MAX_RECV))
+            except TimeoutError:
+                if wait:
+                    raise _WaitExpired from None
+                raise
+            if not chunk:
+                raise _EOF
+            self._rbuf += chunk
+        data = bytes(self._rbuf[:n])
+        del self._rbuf[:n]
+        return data
+
+    def _u8(self, deadline: float, wait: bool = False) -> int:
+        return self._read(1, deadline, wait)[0]
+
+    def _u32(self, deadline: float) -> int:
+        return int(wire.U32.unpack(self._read(4, deadline))[0])
+
+    def _i64(self, deadline: float) -> int:
+        return int(wire.I64.unpack(self._read(8, deadline))[0])
+
+    def _blob(self, deadline: float) -> bytes:
+        (n,) = wire.U64.unpack(self._read(8, deadline))
+        return self._read(int(n), deadline)

@@ -1,0 +1,306 @@
+"""``TCPStoreServer``: a torch-free server for torch's TCPStore protocol.
+
+One daemon thread runs a ``selectors`` loop over non-blocking sockets. A WAIT whose keys
+are missing is parked on the server (the connection is answered when the last key
+appears), never polled. It behaves as torch's libuv server (torch's default) does,
+except where that one is lax: a connection whose first request is not a valid VALIDATE
+is dropped (libuv ignores it), and so is any malformed request.
+
+A misbehaving client costs only its own connection: garbage drops it; silence costs one
+idle socket; a client that sends faster than it reads stops being read (TCP pushes back
+on it) once its unread responses pass ``_OUT_HIGH_WATER``; one request is capped at
+``_MAX_REQUEST`` bytes. The store itself is not capped, as torch's is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+
+from elastic.core.tcpstore import wire
+from elastic.core.tcpstore.wire import Query
+
+log = logging.getLogger(__name__)
+
+_RECV_SIZE = 256 * 1024
+_OUT_HIGH_WATER = 4 * 1024 * 1024
+# Larger than any single field may be (8 MiB values), with room for a MULTI_SET of a few.
+_MAX_REQUEST = 64 * 1024 * 1024
+_INT64 = range(-(2**63), 2**63)
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "inbuf", "outbuf", "validated", "missing", "events")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.validated = False
+        # The keys a parked WAIT still misses; None when no WAIT is parked.
+        self.missing: set[bytes] | None = None
+        self.events = selectors.EVENT_READ  # as registered with the selector
+
+
+class _Drop(Exception):
+    """Close this connection (a protocol violation, or the peer went away)."""
+
+
+class TCPStoreServer:
+    """Serve a TCPStore on ``host:port`` (``port=0``: any free port, see ``.port``), or on
+    ``sock``, an already bound socket this server then owns (listening only on the
+    address it was bound to). ``host=""`` listens on every interface, as torch does."""
+
+    def __init__(self, host: str = "", port: int = 0, *, sock: socket.socket | None = None):
+        if sock is None:
+            if host == "" and socket.has_dualstack_ipv6():
+                sock = socket.create_server(
+                    ("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096
+                )
+            else:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                sock = socket.create_server((host, port), family=family, backlog=4096)
+        else:
+            sock.listen(4096)  # also fine when it already listens: updates the backlog
+        sock.setblocking(False)
+        self._listener = sock
+        self.port: int = sock.getsockname()[1]
+        self._data: dict[bytes, bytes] = {}
+        self._waiters: dict[bytes, set[_Conn]] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._stopping = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, name=f"tcpstore-server-{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and close every connection; idempotent."""
+        with self._close_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._wake_w.send(b"x")
+        self._thread.join()
+        self._wake_w.close()
+
+    def __enter__(self) -> TCPStoreServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                for key, mask in self._sel.select():
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data != "wake":  # "wake": close() set _stopping
+                        self._service(key.data, mask)
+        except Exception:
+            # A bug, not a client: say so, and let the clients see the store gone.
+            log.exception("TCPStore server on port %d failed", self.port)
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(conn)
+            self._sel.close()
+            self._listener.close()
+            self._wake_r.close()
+
+    def _accept(self) -> None:
+        # Level-triggered: whatever is left in the backlog is accepted next round.
+        for _ in range(64):
+            try:
+                sock, addr = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EMFILE and the like: that client is refused, not us
+                log.warning("TCPStore server on port %d cannot accept: %s", self.port, exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            self._conns[sock] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _service(self, conn: _Conn, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._send(conn)
+            if mask & selectors.EVENT_READ:
+                self._recv(conn)
+            self._process(conn)
+            self._send(conn)
+            self._update_events(conn)
+        except _Drop as why:
+            log.debug("TCPStore server: dropping %s: %s", conn.peer, why)
+            self._drop(conn)
+        except Exception:
+            # A bug that a request triggered: it costs that client only.
+            log.exception("TCPStore server: dropping %s", conn.peer)
+            self._drop(conn)
+
+    def _recv(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(_RECV_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise _Drop(str(exc)) from None
+        if not chunk:
+            raise _Drop("closed by the client")
+        conn.inbuf += chunk
+
+    def _process(self, conn: _Conn) -> None:
+        """Answer the whole requests buffered, until the peer has too many answers unread
+        (the rest waits for them to drain)."""
+        consumed = 0
+        try:
+            while consumed < len(conn.inbuf) and len(conn.outbuf) < _OUT_HIGH_WATER:
+                reader = wire.Reader(conn.inbuf, consumed)
+                try:
+                    req = wire.parse_request(reader)
+                except wire.Incomplete:
+                    if len(conn.inbuf) - consumed > _MAX_REQUEST:
+                        raise _Drop(f"a request over {_MAX_REQUEST} bytes") from None
+                    break
+                consumed = reader.pos
+                self._handle(conn, req)
+        except wire.ProtocolError as exc:
+            raise _Drop(str(exc)) from None
+        finally:
+            del conn.inbuf[:consumed]
+
+    def _send(self, conn: _Conn) -> None:
+        if not conn.outbuf:
+            return
+        try:
+            sent = conn.sock.send(conn.outbuf)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise _Drop(str(exc)) from None
+        del conn.outbuf[:sent]
+
+    def _update_events(self, conn: _Conn) -> None:
+        # Not reading a peer that does not read its answers makes TCP push back on it.
+        reading = len(conn.outbuf) < _OUT_HIGH_WATER
+        events = (selectors.EVENT_READ if reading else 0) | (
+            selectors.EVENT_WRITE if conn.outbuf else 0
+        )
+        if events != conn.events:
+            conn.events = events
+            self._sel.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        self._unpark(conn)
+        del self._conns[conn.sock]
+        self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    # --- the store -----------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, req: wire.Request) -> None:
+        query, out = req.query, conn.outbuf
+        if not conn.validated:
+            if query is not Query.VALIDATE or req.number != wire.VALIDATION_MAGIC:
+                raise _Drop("the first request is not a valid VALIDATE")
+            conn.validated = True
+        elif query is Query.PING:
+            out += wire.U32.pack(req.number)
+        elif query is Query.SET:
+            self._set(req.key, req.value)
+        elif query is Query.MULTI_SET:
+            for key, value in req.pairs:
+                self._set(key, value)
+        elif query is Query.GET:
+            # A missing key reads as empty, as on torch's libuv server (its clients WAIT
+            # first, so only a raw client can see this).
+            out += wire.blob(self._data.get(req.key, b""))
+        elif query is Query.MULTI_GET:
+            for key in req.keys:
+                out += wire.blob(self._data.get(key, b""))
+        elif query is Query.ADD:
+            out += wire.I64.pack(self._add(req.key, req.number))
+        elif query is Query.COMPARE_SET:
+            out += wire.blob(self._compare_set(req.key, req.value, req.desired))
+        elif query is Query.CHECK:
+            present = all(k in self._data for k in req.keys)
+            out += wire.U8.pack(wire.READY if present else wire.NOT_READY)
+        elif query is Query.WAIT:
+            self._park(conn, req.keys)
+        elif query is Query.CANCEL_WAIT:
+            self._unpark(conn)
+            out += wire.U8.pack(wire.WAIT_CANCELED)
+        elif query is Query.DELETE_KEY:
+            out += wire.I64.pack(int(self._data.pop(req.key, None) is not None))
+        elif query is Query.GETNUMKEYS:
+            out += wire.I64.pack(len(self._data))
+        else:
+            raise _Drop(f"unexpected {query.name}")  # VALIDATE a second time
+
+    def _set(self, key: bytes, value: bytes) -> None:
+        self._data[key] = value
+        for waiter in self._waiters.pop(key, ()):
+            assert waiter.missing is not None  # only a parked connection is a waiter
+            waiter.missing.discard(key)
+            if not waiter.missing:
+                waiter.missing = None
+                waiter.outbuf += wire.U8.pack(wire.STOP_WAITING)
+                # Sent by the loop: a failure to send to the waiter must drop the
+                # waiter, not the connection whose request woke it.
+                self._update_events(waiter)
+
+    def _add(self, key: bytes, amount: int) -> int:
+        try:
+            total = int(self._data.get(key, b"0")) + amount
+        except ValueError:
+            raise _Drop(f"ADD to a key that holds no integer: {key!r}") from None
+        if total not in _INT64:
+            raise _Drop(f"ADD overflows int64 at {key!r}")
+        self._set(key, str(total).encode())
+        return total
+
+    def _compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return expected  # torch's answer for an absent key: "expected", unchanged
+            self._set(key, desired)
+            return desired
+        if current == expected:
+            self._set(key, desired)
+            return desired
+        return current
+
+    def _park(self, conn: _Conn, keys: tuple[bytes, ...]) -> None:
+        if conn.missing is not None:
+            raise _Drop("a second WAIT while one is parked")
+        missing = {k for k in keys if k not in self._data}
+        if not missing:
+            conn.outbuf += wire.U8.pack(wire.STOP_WAITING)
+            return
+        conn.missing = missing
+        for key in missing:
+            self._waiters.setdefault(key, set()).add(conn)
+
+    def _unpark(self, conn: _Conn) -> None:
+        for key in conn.missing or ():
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(conn)
+                if not waiters:
+                    del self._waiters[key]
+        conn.missing = None
