@@ -124,21 +124,12 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
 
 def parse_endpoint(value: str, default_port: int | None) -> tuple[str, int | None]:
     """``host``, ``host:port``, ``[v6]:port``; the port must be 0..65535."""
-    host, port_text = value, ""
-    if value.startswith("["):
-        host, _, rest = value[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else rest
-    elif value.count(":") == 1:
-        host, _, port_text = value.partition(":")
-    if not host:
-        raise click.BadParameter(f"{value!r} has no host; expected HOST[:PORT]")
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise click.BadParameter(
-            f"{value!r}: {port_text!r} is not a port; expected HOST[:PORT] with PORT in 0..65535"
-        )
-    return host, int(port_text)
+    from elastic.core.net import parse_endpoint as parse
+
+    try:
+        return parse(value, default_port)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def parse_local_ranks_filter(value: str) -> frozenset[int] | None:

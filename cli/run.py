@@ -86,9 +86,6 @@ def resolve_rendezvous(
         if not endpoint:
             port = 29500 if opts["master_port"] is None else opts["master_port"]
             endpoint = f"{opts['master_addr']}:{port}"
-        conf.setdefault("rank", str(opts["node_rank"]))
-    elif opts["node_rank"] != 0:
-        conf.setdefault("node_rank", str(opts["node_rank"]))
     if endpoint:
         try:
             parse_endpoint(endpoint, None)
@@ -197,6 +194,7 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         tee=std_map(opts["tee"], "--tee", nproc),
         local_ranks_filter=ranks_filter,
         local_addr=opts["local_addr"],
+        node_rank=opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
         signals_to_handle=signals,
         shutdown_timeout=shutdown_timeout,
         extra_env=extra_env,

@@ -17,7 +17,11 @@ from typing import Any, TypeVar
 from elastic.core import failures as fail
 from elastic.core.plugins import PluginHost
 from elastic.core.process import Interrupted
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousError
+from elastic.core.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+)
 from elastic.core.store import Store
 
 # Job-wide state in the rendezvous store (namespaced by run id by the backend).
@@ -41,6 +45,21 @@ def store_call(fn: Callable[..., T], *args: Any) -> T:
         raise
     except (OSError, RuntimeError) as exc:
         raise RendezvousConnectionError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_job_state(store: Store, run_id: str) -> tuple[int, dict[str, Any] | None]:
+    """(restarts used, the published root cause or None), read-only, for ``elastic
+    status``: every backend's ``describe`` reads the job-wide state through this."""
+    restarts = 0
+    if store.check([RESTARTS_KEY]):
+        raw = store.get(RESTARTS_KEY)
+        try:
+            restarts = int(raw)
+        except ValueError:
+            raise RendezvousStateError(
+                f"job state key {RESTARTS_KEY!r} is not a number: {bytes(raw[:60])!r}"
+            ) from None
+    return restarts, fail.published_root_cause(store, run_id)
 
 
 def claim_restart(store: Store, round_: int, node_id: str) -> int:

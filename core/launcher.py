@@ -38,6 +38,7 @@ class LaunchConfig:
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
     local_addr: str | None = None
+    node_rank: int | None = None  # --node-rank: static's rank, a dynamic backend's hint
     signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
     shutdown_timeout: float = 30.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -73,6 +74,7 @@ def create_handler(config: LaunchConfig) -> RendezvousHandler:
         config=dict(config.rdzv_configs),
         fingerprint=dict(config.fingerprint),
         allow_mismatch=config.allow_mismatch,
+        node_rank=config.node_rank,
     )
     return get_rendezvous_handler(params)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 
+from elastic.core.net import free_port
 from elastic.core.rendezvous import (
     RendezvousClosedError,
     RendezvousHandler,
@@ -22,15 +23,6 @@ from elastic.core.store import LocalStore
 MASTER_ADDR = "localhost"
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the kernel's choice for ``addr:0``)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((addr, 0))
-        except OSError:  # ``--local-addr`` names another interface or host: any will do
-            sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class LocalRendezvousHandler(RendezvousHandler):
@@ -61,7 +53,7 @@ class LocalRendezvousHandler(RendezvousHandler):
                 rank=0,
                 world_size=1,
                 master_addr=self._master_addr,
-                master_port=free_port(self._local_addr),
+                master_port=free_port(self._local_addr or "127.0.0.1"),
                 round=self._round,
                 members=[self.node_id],
             )

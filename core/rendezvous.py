@@ -37,6 +37,12 @@ class RendezvousStoreGoneError(RendezvousConnectionError):
     all (a partition or a dead machine), which is a plain ``RendezvousConnectionError``."""
 
 
+class RendezvousFencedError(RendezvousError):
+    """This node can no longer confirm it belongs to the current round (it cannot reach
+    the rendezvous for the liveness timeout, or the others declared it lost). It must stop
+    its workers at once, so it never trains in a world that has moved on, then rejoin."""
+
+
 class RendezvousStateError(RendezvousError):
     """The rendezvous state is corrupt or unreadable (names the key where it can)."""
 
@@ -83,12 +89,15 @@ class RendezvousParameters:
     fingerprint: dict[str, str] = field(default_factory=dict)
     allow_mismatch: frozenset[str] = frozenset()
     read_only: bool = False
+    node_rank: int | None = None  # --node-rank: a rank hint (dynamic) or the rank (static)
 
     def __post_init__(self) -> None:
         if not self.backend:
             raise RendezvousConfigError("the rendezvous backend name must not be empty")
         if self.min_nodes < 1:
             raise RendezvousConfigError(f"min_nodes must be >= 1, got {self.min_nodes}")
+        if self.node_rank is not None and self.node_rank < 0:
+            raise RendezvousConfigError(f"node_rank must be >= 0, got {self.node_rank}")
         if self.max_nodes < self.min_nodes:
             raise RendezvousConfigError(
                 f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
@@ -237,14 +246,33 @@ class RendezvousHandler(abc.ABC):
         """
 
     def lost_nodes(self) -> list[str]:
-        """Members of the current round that stopped heartbeating.
+        """Members of the current round that stopped heartbeating or left.
 
-        A non-empty answer makes the agent stop its workers (even ones blocked in a
+        Must answer from a cache, never block on the network. Raises
+        ``RendezvousFencedError`` when this node itself can no longer confirm its
+        membership. A non-empty answer makes the agent stop its workers (even ones blocked in a
         collective) and call ``next_rendezvous`` again. Backends without liveness
         tracking return an empty list, and so does every backend once the rendezvous is
         closed: a node that finished early is not a failure.
         """
         return []
+
+    def leave(self) -> None:
+        """This node leaves a job that goes on (SIGTERM: preemption, eviction, scale-in).
+
+        Called before the agent stops its workers, so the others regroup at once instead
+        of waiting for a liveness timeout, and without spending the restart budget. A node
+        that left is never counted as done. Backends without membership do nothing.
+        """
+        return None
+
+    def membership_changed(self) -> bool:
+        """A fresh (not cached) answer: did a member of the current round leave or die?
+
+        Asked when workers fail: a failure caused by a departing node is a membership
+        change, not a failure, and must not spend the restart budget.
+        """
+        return bool(self.lost_nodes())
 
     @property
     def use_agent_store(self) -> bool:

@@ -24,7 +24,7 @@ from elastic.core.rendezvous import (
     RendezvousStateError,
 )
 from elastic.plugins.rdzv_c10d import create_handler
-from elastic.plugins.rdzv_c10d import records as R
+from elastic.core.round import records as R
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.store import parse_endpoint
 
@@ -265,20 +265,46 @@ def test_rank_zero_loss_is_seen_by_everyone(make: Make) -> None:
     assert wait_until(lambda: all(h.lost_nodes() == [rank0.node_id] for h in others), 10)
 
 
-def test_clean_shutdown_is_not_a_lost_node(make: Make) -> None:
+def test_shutdown_after_the_job_closed_is_not_a_lost_node(make: Make) -> None:
     handlers = [make(2) for _ in range(2)]
     rendezvous_all(handlers)
     client = next(h for h in handlers if not h.is_hosting)
     host = next(h for h in handlers if h.is_hosting)
+    client.set_closed()
     client.shutdown()
     time.sleep(2.5)
     assert host.lost_nodes() == []
 
 
-def test_node_rank_hints_are_honoured(make: Make) -> None:
-    handlers = [make(3, node_rank=str(r)) for r in (2, 0, 1)]
+def test_shutdown_of_a_running_job_is_a_departure_seen_within_a_tick(make: Make) -> None:
+    handlers = [make(2, 3) for _ in range(3)]
     infos = rendezvous_all(handlers)
-    assert [i.rank for i in infos] == [2, 0, 1]
+    leaver = next(h for h in handlers if not h.is_hosting)
+    others = [h for h in handlers if h is not leaver]
+    started = time.monotonic()
+    leaver.shutdown()
+    assert wait_until(lambda: all(h.lost_nodes() == [leaver.node_id] for h in others), 5)
+    # heartbeat_interval=0.2: survivors learn of it on their next tick, not after a timeout
+    assert time.monotonic() - started < 1.4
+    assert all(h.membership_changed() for h in others)
+    again = rendezvous_all(others)
+    check_round(again, 2)
+    assert again[0].round == infos[0].round + 1
+
+
+def test_node_rank_hints_are_honoured(port: int) -> None:
+    handlers = []
+    for rank in (2, 0, 1):
+        params = RendezvousParameters(
+            "c10d", f"127.0.0.1:{port}", "job", 3, 3, config=dict(FAST), node_rank=rank
+        )
+        handlers.append(create_handler(params))
+    try:
+        infos = rendezvous_all(handlers)
+        assert [i.rank for i in infos] == [2, 0, 1]
+    finally:
+        for h in sorted(handlers, key=lambda h: h.is_hosting):
+            h.shutdown()
 
 
 def test_non_json_state_names_the_key(make: Make, port: int) -> None:

@@ -1,8 +1,9 @@
-"""The ``c10d`` rendezvous backend: one TCPStore, O(N) operations per round.
+"""The ``c10d`` rendezvous backend: the shared round over one TCPStore.
 
 ``--rdzv-backend=c10d --rdzv-endpoint=HOST[:29400] --rdzv-id=JOB``: the agent whose
 machine owns HOST hosts the store (bound to that address only); every other agent
-connects to it. ``--rdzv-conf`` keys are listed in ``settings.ACCEPTED_KEYS``.
+connects to it. ``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``) and
+``C10D_KEYS`` below.
 
 Importing this package is cheap (no torch); ``create_handler`` imports torch.
 """
@@ -11,16 +12,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from elastic.core.rendezvous import RendezvousConfigError
+
 if TYPE_CHECKING:
     from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
+
+C10D_KEYS = (
+    "is_host",  # true: host the store here (fail if we cannot); false: external store
+    "store_type",  # only "tcp" (accepted for torchrun command lines)
+)
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``elastic.rendezvous`` entry point: validate the config, host or reach the store."""
+    from elastic.core.round.settings import parse_round_settings
     from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
-    from elastic.plugins.rdzv_c10d.settings import parse_settings
 
-    return C10dRendezvousHandler(params, parse_settings(params))
+    settings = parse_round_settings(params, C10D_KEYS)
+    store_type = params.get("store_type", "tcp")
+    if store_type != "tcp":
+        raise RendezvousConfigError(
+            f"--rdzv-conf store_type={store_type!r}: the c10d backend supports only 'tcp'"
+        )
+    return C10dRendezvousHandler(params, settings, params.get_as_bool("is_host"))
 
 
-__all__ = ["create_handler"]
+__all__ = ["C10D_KEYS", "create_handler"]

@@ -13,7 +13,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from elastic.core.rendezvous import RendezvousConfigError, RendezvousConnectionError
+from elastic.core import net
+from elastic.core.rendezvous import (
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousStoreGoneError,
+)
 from elastic.core.store import StoreTimeoutError
 
 log = logging.getLogger(__name__)
@@ -25,39 +30,22 @@ T = TypeVar("T")
 
 def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     """``host[:port]`` or ``[v6addr]:port`` -> (host, port)."""
-    text = endpoint.strip()
-    if not text:
+    if not endpoint.strip():
         raise RendezvousConfigError("the c10d backend needs --rdzv-endpoint=HOST[:PORT]")
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    else:  # a bare host name, or a bare IPv6 address without brackets
-        host, port_text = text, ""
-    if not port_text:
-        return host, default_port
     try:
-        port = int(port_text)
-    except ValueError:
-        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r} has a bad port") from None
-    if not 0 < port < 65536:
-        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r}: port out of range")
+        host, port = net.parse_endpoint(endpoint, default_port)
+    except ValueError as exc:
+        raise RendezvousConfigError(f"--rdzv-endpoint {exc}") from None
+    if not port:
+        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r}: port 0; give a real port")
     return host, port
 
 
 def resolve(host: str, port: int) -> list[tuple[int, str]]:
-    """(family, address) pairs for ``host``, IPv4 first (what other nodes most likely use)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
+        return net.resolve(host, port)
+    except OSError as exc:
         raise RendezvousConnectionError(f"cannot resolve rendezvous host {host!r}: {exc}") from None
-    seen: list[tuple[int, str]] = []
-    for family, _, _, _, addr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
-        pair = (family, str(addr[0]))
-        if pair not in seen:
-            seen.append(pair)
-    return seen
 
 
 def try_listen(host: str, port: int) -> socket.socket | None:
@@ -76,25 +64,6 @@ def try_listen(host: str, port: int) -> socket.socket | None:
             if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
                 raise
     return None
-
-
-def route_address(host: str, port: int) -> str:
-    """This machine's address on the route to the store: reachable by the other nodes."""
-    for family, addr in resolve(host, port):
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            try:
-                sock.connect((addr, port))  # UDP: picks a route, sends nothing
-                return str(sock.getsockname()[0])
-            except OSError:
-                continue
-    return socket.gethostbyname(socket.gethostname())
-
-
-def free_port(addr: str) -> int:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((addr, 0))
-        return int(sock.getsockname()[1])
 
 
 def host_store(sock: socket.socket, host: str, port: int, timeout: float) -> Any:
@@ -137,6 +106,10 @@ def connect_store(host: str, port: int, timeout: float) -> Any:
         ) from None
 
 
+# What torch's client says when the server's host answered that nothing serves it.
+GONE_WORDS = ("refused", "reset by peer", "broken pipe", "connection closed", "eof")
+
+
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
@@ -166,9 +139,11 @@ class PrefixStore:
         except Exception as exc:
             if is_timeout(exc):
                 raise StoreTimeoutError(first_line(exc)) from None
-            raise RendezvousConnectionError(
-                f"lost the rendezvous store at {self.where} (did the hosting agent die?): "
-                f"{first_line(exc)}"
+            line = first_line(exc)
+            gone = any(w in line.lower() for w in GONE_WORDS)
+            error = RendezvousStoreGoneError if gone else RendezvousConnectionError
+            raise error(
+                f"lost the rendezvous store at {self.where} (did the hosting agent die?): {line}"
             ) from None
 
     def _k(self, key: str) -> str:
@@ -204,3 +179,9 @@ class PrefixStore:
         if not keys:
             return []
         return list(self._call(self._store.multi_get, [self._k(k) for k in keys]))
+
+    def heartbeat(self, key: str, value: bytes | str) -> None:
+        self.set(key, value)  # no leases in TCPStore: liveness is the value changing
+
+    def close(self) -> None:
+        """The connection closes with its last reference (torch's client has no close)."""

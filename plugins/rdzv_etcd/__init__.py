@@ -15,6 +15,7 @@ from typing import Any
 
 import etcd
 from elastic.core.fingerprint import VERSION_FIELDS
+from elastic.core.net import free_port
 from elastic.core.rendezvous import (
     JobStatus,
     MemberStatus,
@@ -35,7 +36,6 @@ from elastic.plugins.rdzv_etcd.common import (
     check_fingerprint,
     local_host,
     node_id,
-    pick_free_port,
     ttl_seconds,
 )
 from elastic.plugins.rdzv_etcd.protocol import EtcdRendezvous
@@ -107,7 +107,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         me = {
             "node_id": self.node,
             "host": self.host,
-            "port": pick_free_port(),
+            "port": free_port(),
             "pid": os.getpid(),
             "versions": {k: v for k, v in self.params.fingerprint.items() if k in VERSION_FIELDS},
         }

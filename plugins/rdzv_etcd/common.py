@@ -31,11 +31,6 @@ def local_host(local_addr: str | None) -> str:
     return local_addr or socket.getfqdn() or "127.0.0.1"
 
 
-def pick_free_port(host: str = "") -> int:
-    """A port free right now on this host, for this round's MASTER_PORT."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def ttl_seconds(value: float) -> int:

@@ -5,7 +5,7 @@ A fixed number of nodes (``--nnodes=N``, not a range), each given its rank
 
 ``--rdzv-conf`` keys:
 
-* ``rank`` / ``node_rank`` -- this node's rank (the CLI fills it from ``--node-rank``).
+* ``rank`` / ``node_rank`` -- this node's rank, if not given by ``--node-rank``.
 * ``timeout`` -- seconds to reach node 0's store and to wait for every node in a round;
   default 600, as torchrun's static backend.
 * ``shutdown_timeout`` -- seconds node 0 keeps its store up at exit for the other nodes
@@ -17,6 +17,7 @@ chosen, and torch is only needed once a rendezvous actually runs.
 
 from __future__ import annotations
 
+from elastic.core import net
 from elastic.core.rendezvous import (
     RendezvousConfigError,
     RendezvousHandler,
@@ -37,34 +38,34 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     endpoint = (endpoint or "").strip()
     if not endpoint:
         return DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-    host, port_text = endpoint, ""
-    if endpoint.startswith("["):  # [::1]:29500
-        host, _, rest = endpoint[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif endpoint.count(":") == 1:
-        host, port_text = endpoint.split(":")
-    host = host or DEFAULT_MASTER_ADDR
-    if not port_text:
-        return host, DEFAULT_MASTER_PORT
     try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
-    if not 0 < port < 65536:
+        host, port = net.parse_endpoint(endpoint, DEFAULT_MASTER_PORT)
+    except ValueError as exc:
+        raise RendezvousConfigError(f"static rendezvous: {exc} (--master-port)") from None
+    if not port:
         raise RendezvousConfigError(
-            f"static rendezvous: invalid port in endpoint {endpoint!r} (--master-port)"
+            f"static rendezvous: port 0 in endpoint {endpoint!r}; give the port node 0 "
+            "listens on (--master-port)"
         )
     return host, port
 
 
 def _node_rank(params: RendezvousParameters) -> int:
-    rank = params.get_as_int("rank")
-    alias = params.get_as_int("node_rank")
-    if rank is not None and alias is not None and rank != alias:
-        raise RendezvousConfigError(
-            f"static rendezvous: --rdzv-conf rank={rank} and node_rank={alias} disagree"
+    """--node-rank arrives as the typed ``params.node_rank``; torchrun command lines may
+    also say ``--rdzv-conf rank=N`` (or ``node_rank=N``): all given must agree."""
+    given = {
+        name: value
+        for name, value in (
+            ("--node-rank", params.node_rank),
+            ("--rdzv-conf rank", params.get_as_int("rank")),
+            ("--rdzv-conf node_rank", params.get_as_int("node_rank")),
         )
-    rank = rank if rank is not None else alias
+        if value is not None
+    }
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise RendezvousConfigError(f"static rendezvous: the node ranks given disagree: {listed}")
+    rank = next(iter(given.values()), None)
     if rank is None:
         if params.max_nodes == 1:
             return 0

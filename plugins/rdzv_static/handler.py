@@ -31,6 +31,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from elastic.core import net
 from elastic.core.rendezvous import (
     JobStatus,
     RendezvousClosedError,
@@ -202,7 +203,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         assignment = {
             "round": round_,
             "master_addr": self.master_addr,
-            "master_port": tcp.free_port(),
+            "master_port": net.free_port(),
             "world_size": self.world_size,
             "members": members,
         }

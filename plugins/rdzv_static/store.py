@@ -122,15 +122,6 @@ def poll_for(store: Any, key: str, timeout: timedelta) -> None:
         delay = min(delay * 1.5, 0.1)
 
 
-def free_port() -> int:
-    """A port the kernel says is free now, for this round's workers' MASTER_PORT.
-
-    Bound on all interfaces because rank 0's worker listens there, whatever address
-    the other nodes use to reach this host.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def host_store(addr: str, port: int, timeout: timedelta) -> Any:

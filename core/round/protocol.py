@@ -17,7 +17,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from elastic.core.coordination import CoordinationStore
 from elastic.core.fingerprint import describe_differences, differences
+from elastic.core.net import free_port
 from elastic.core.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -25,10 +27,10 @@ from elastic.core.rendezvous import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from elastic.core.round import records as R
+from elastic.core.round.monitor import read_lost
+from elastic.core.round.settings import RoundSettings
 from elastic.core.store import StoreTimeoutError
-from elastic.plugins.rdzv_c10d import records as R
-from elastic.plugins.rdzv_c10d.settings import Settings
-from elastic.plugins.rdzv_c10d.store import PrefixStore, free_port
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,8 @@ WATCHERS = 3  # waiters (the slots after the coordinator's) that watch the coord
 class RoundProtocol:
     def __init__(
         self,
-        store: PrefixStore,
-        settings: Settings,
+        store: CoordinationStore,
+        settings: RoundSettings,
         run_id: str,
         node: dict[str, Any],
         phase: Callable[[tuple[int, str] | None, bool], None],
@@ -78,13 +80,7 @@ class RoundProtocol:
         return R.Assignment.from_json(raw, self.full(key), self.s.token, self.run_id)
 
     def read_lost(self, rnd: int) -> list[str]:
-        key = R.lost_key(rnd)
-        if rnd < 0 or not self.store.check([key]):
-            return []
-        value = R.loads(self.store.get(key), self.full(key))
-        if not isinstance(value, list):
-            raise RendezvousStateError(f"rendezvous state key {self.full(key)!r} is not a list")
-        return [str(v) for v in value]
+        return read_lost(self.store, rnd)
 
     def is_closed(self) -> bool:
         return self.store.check([R.CLOSED])
@@ -246,7 +242,7 @@ class RoundProtocol:
             finally:
                 done.set()
 
-        threading.Thread(target=wait, name=f"c10d-wait-{rnd}", daemon=True).start()
+        threading.Thread(target=wait, name=f"rdzv-wait-{rnd}", daemon=True).start()
         while not done.wait(1.0):
             error = self._abort()
             if error is not None:

@@ -1,4 +1,4 @@
-"""The background thread: heartbeats, liveness, scale-up and close detection.
+"""The background thread: heartbeats, liveness, departures, fencing, scale-up, closing.
 
 It has its own store connection (a TCPStore client serialises its operations, so a long
 ``wait`` in ``next_rendezvous`` would otherwise hold the heartbeat back). Each tick costs a
@@ -6,11 +6,18 @@ node a handful of operations whatever N is: its own heartbeat, ``check``s on ``c
 the next round's counter and on this round's ``lost`` key, and one liveness read: rank 0
 reads every member's heartbeat in one ``multi_get``, every other member reads rank 0's
 only. So a round costs O(N) operations per interval, never O(N^2). The agent's frequent
-``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return cached values.
+``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return cached values and
+never block on the network.
 
 Liveness compares heartbeat *values*, not clocks: a member is lost when its value has not
 changed for ``heartbeat_timeout`` of our own time and over several of our reads, so neither
-clock skew nor this thread being starved on a loaded machine looks like a dead node.
+clock skew nor this thread being starved on a loaded machine looks like a dead node. A
+heartbeat key that vanishes (a lease expired) is lost at once; "left" is a departure.
+
+Fencing: every tick that completes confirms our membership. When none has for
+``heartbeat_timeout`` (the store is unreachable: a partition, or its host is down), or the
+others published us as lost, ``fenced`` says why and the agent stops its workers: a node
+cut off from the job must never keep training in a world that has moved on.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStateError
-from elastic.plugins.rdzv_c10d import records as R
-from elastic.plugins.rdzv_c10d.store import PrefixStore
+from elastic.core.coordination import CoordinationStore
+from elastic.core.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousStoreGoneError,
+)
+from elastic.core.round import records as R
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +54,56 @@ class LivenessTracker:
         self._seen: dict[str, _Seen] = {}
 
     def update(self, values: dict[str, bytes], now: float) -> tuple[list[str], list[str]]:
-        """Feed fresh values; returns (stale node ids, node ids that shut down cleanly)."""
-        stale, done = [], []
+        """Feed fresh values (b"" for a missing key); returns (lost node ids: stale,
+        vanished or departed, node ids that finished cleanly)."""
+        lost, done = [], []
         for node, value in values.items():
             if value == R.DONE:
                 done.append(node)
                 continue
             seen = self._seen.get(node)
+            if value == R.LEFT or (value == b"" and seen is not None and seen.value != b""):
+                lost.append(node)  # departed, or its lease expired: no need to wait
+                continue
             if seen is None or seen.value != value:
                 self._seen[node] = _Seen(value, now)
                 continue
             seen.unchanged_reads += 1
             if now - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
-                stale.append(node)
-        return stale, done
+                lost.append(node)
+        return lost, done
+
+
+def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
+    key = R.lost_key(rnd)
+    if rnd < 0 or not store.check([key]):
+        return []
+    value = R.loads(store.get(key), store.prefix + key)
+    if not isinstance(value, list):
+        raise RendezvousStateError(f"rendezvous state key {store.prefix + key!r} is not a list")
+    return [str(v) for v in value]
+
+
+def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
+    """Merge ``nodes`` into round ``rnd``'s lost list with compare_set, so two nodes
+    publishing at once never erase each other's entries; returns the merged list."""
+    key = R.lost_key(rnd)
+    for _ in range(20):
+        raw = store.get(key) if store.check([key]) else b""
+        current = R.loads(raw, store.prefix + key) if raw else []
+        merged = sorted(set(current if isinstance(current, list) else []) | set(nodes))
+        if merged == sorted(current) and raw:
+            return merged
+        desired = R.dumps(merged).encode()
+        if bytes(store.compare_set(key, raw, desired)) == desired:
+            return merged
+    raise RendezvousStateError(f"could not update {store.prefix + key!r}: too much contention")
 
 
 class Monitor:
-    def __init__(self, store: PrefixStore, node_id: str, interval: float, timeout: float) -> None:
+    def __init__(
+        self, store: CoordinationStore, node_id: str, interval: float, timeout: float
+    ) -> None:
         self.store = store
         self.node_id = node_id
         self.interval = interval
@@ -76,6 +119,7 @@ class Monitor:
         self.closed = False
         self.waiting = 0
         self.lost: list[str] = []
+        self._confirmed_at = time.monotonic()
         # What to watch: the round we are a member of, or a forming round's coordinator.
         self._round: R.Assignment | None = None
         self._rank: int | None = None
@@ -92,13 +136,19 @@ class Monitor:
             return
         self.beat()  # exists before we join, so a coordinator can read it at once
         self._thread = threading.Thread(
-            target=self._run, name=f"c10d-heartbeat-{self.node_id}", daemon=True
+            target=self._run, name=f"rdzv-heartbeat-{self.node_id}", daemon=True
         )
         self._thread.start()
 
-    def stop(self) -> None:
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` when it may be stuck in a store call (a
+        partition) and the caller must not be held up by it."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
 
     def suspend_heartbeats(self) -> None:
@@ -110,6 +160,7 @@ class Monitor:
             self._round, self._rank = asg, rank
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
+            self._confirmed_at = time.monotonic()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
@@ -122,11 +173,31 @@ class Monitor:
     def in_round(self) -> bool:
         return self._round is not None
 
+    def fenced(self, where: str) -> str | None:
+        """Why this node can no longer count itself a member of its round, or None."""
+        with self._lock:
+            asg, lost, confirmed_at = self._round, self.lost, self._confirmed_at
+        if asg is None:
+            return None
+        if self.node_id in lost:
+            return (
+                f"the job declared this node lost in round {asg.round} (its heartbeat was "
+                "not seen in time); stopping its workers and rejoining"
+            )
+        silent = time.monotonic() - confirmed_at
+        if silent > self.timeout:
+            return (
+                f"cannot reach the rendezvous store at {where} for {silent:.1f}s "
+                f"(heartbeat_timeout={self.timeout:g}s): stopping this node's workers so it "
+                "never trains in a world that has moved on; it rejoins when the store answers"
+            )
+        return None
+
     # -- the thread ----------------------------------------------------------------
     def beat(self) -> None:
         if self._beating:
             self._seq += 1
-            self.store.set(R.hb_key(self.node_id), f"{self._seq} {time.time():.3f}")
+            self.store.heartbeat(R.hb_key(self.node_id), f"{self._seq} {time.time():.3f}")
 
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval
@@ -135,13 +206,18 @@ class Monitor:
             next_tick = max(next_tick + self.interval, time.monotonic())
             try:
                 self._tick()
-            except (RendezvousConnectionError, RendezvousStateError) as exc:
+            except (RendezvousStateError, RendezvousStoreGoneError) as exc:
+                # Final: corrupt state, or the store's host says the store is gone.
                 with self._lock:
                     self.error = exc
-                log.error("c10d rendezvous heartbeat stopped: %s", exc)
+                log.error("rendezvous heartbeat stopped: %s", exc)
                 return
+            except RendezvousConnectionError as exc:
+                # Unreachable: keep trying (a partition may heal); ``fenced`` tells the
+                # agent once it has lasted heartbeat_timeout.
+                log.debug("rendezvous heartbeat: store unreachable: %s", exc)
             except Exception as exc:  # a bug must surface to the agent, not kill silently
-                log.exception("c10d rendezvous heartbeat failed")
+                log.exception("rendezvous heartbeat failed")
                 with self._lock:
                     self.error = RendezvousConnectionError(f"heartbeat thread failed: {exc}")
                 return
@@ -163,6 +239,7 @@ class Monitor:
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
                 self.closed, self.waiting, self.lost = closed, waiting, lost
+                self._confirmed_at = time.monotonic()
 
     def _log_refused(self) -> None:
         """One line per node the job turned away (its fingerprint differed)."""
@@ -184,8 +261,8 @@ class Monitor:
             self._refused_seen = index
 
     def _read_beats(self, nodes: list[str]) -> dict[str, bytes]:
-        """Heartbeat values in one round trip; a node that never beat reads as b"" (it
-        then goes stale like a silent one) instead of blocking ``multi_get``."""
+        """Heartbeat values in one round trip; a missing key reads as b"" instead of
+        blocking ``multi_get``."""
         keys = [R.hb_key(n) for n in nodes]
         if not keys:
             return {}
@@ -197,21 +274,16 @@ class Monitor:
         return {n: values.get(n, b"") for n in nodes}
 
     def _check_members(self, asg: R.Assignment, rank: int) -> list[str]:
-        # Rank 0 watches everyone; everyone watches rank 0.
+        # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
+        # itself, so everyone learns of a departure from the lost key within one tick.
         targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
         stale, _ = self._tracker.update(self._read_beats(targets), time.monotonic())
-        key = R.lost_key(asg.round)
-        published: list[str] = []
-        if self.store.check([key]):
-            value = R.loads(self.store.get(key), self.store.prefix + key)
-            published = [str(v) for v in value] if isinstance(value, list) else []
+        published = read_lost(self.store, asg.round)
         new = sorted(set(stale) - set(published))
         if new:
-            merged = sorted(set(published) | set(new))
-            log.warning("round %d: lost heartbeat of %s", asg.round, ", ".join(new))
+            log.warning("round %d: lost %s", asg.round, ", ".join(new))
             # Publishing wakes every survivor (their next tick sees this key).
-            self.store.set(key, R.dumps(merged))
-            published = merged
+            published = add_lost(self.store, asg.round, new)
         return published
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:

@@ -1,4 +1,4 @@
-"""``describe()``: a read-only view of a c10d job for ``elastic status``.
+"""``describe()``: a read-only view of a job for ``elastic status``, on any store.
 
 Only reads (``check``/``get``/``multi_get``); never joins, writes or hosts a store.
 Heartbeat ages compare the member's clock with ours, so they are as good as clock sync.
@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.failures import published_root_cause
 from elastic.core.fingerprint import VERSION_FIELDS
+from elastic.core.job_state import read_job_state
 from elastic.core.rendezvous import JobStatus, MemberStatus, RendezvousError, RendezvousStateError
-from elastic.plugins.rdzv_c10d import records as R
+from elastic.core.round import records as R
 
 if TYPE_CHECKING:
-    from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
-    from elastic.plugins.rdzv_c10d.store import PrefixStore
+    from elastic.core.coordination import CoordinationStore as PrefixStore
+    from elastic.core.round.handler import RoundRendezvousHandler
 
 
 def _age(raw: bytes) -> float | None:
@@ -61,16 +61,16 @@ def _member(rank: int, node: str, raw: bytes, record: dict[str, Any]) -> MemberS
         rank=rank,
         pid=pid if isinstance(pid, int) else None,
         local_world_size=int(nproc) if nproc.isdigit() else None,
-        heartbeat_age=None if raw == R.DONE else _age(raw),
+        heartbeat_age=None if raw in (R.DONE, R.LEFT) else _age(raw),
         versions={k: fp[k] for k in VERSION_FIELDS if k in fp},
     )
 
 
-def describe(handler: C10dRendezvousHandler) -> JobStatus:
+def describe(handler: RoundRendezvousHandler) -> JobStatus:
     store, proto, params = handler.rdzv_store, handler.protocol, handler.params
     status = JobStatus(
         run_id=handler.run_id,
-        backend="c10d",
+        backend=handler.backend,
         state="waiting",
         round=0,
         round_formed_at=None,
@@ -80,7 +80,7 @@ def describe(handler: C10dRendezvousHandler) -> JobStatus:
     latest = _int(store, R.ROUND)
     if latest is None:
         raise RendezvousError(
-            f"no job with id {handler.run_id!r} at {handler.host}:{handler.port} "
+            f"no job with id {handler.run_id!r} at {handler.where} "
             "(no node has joined it)"
         )
     status.round = latest
@@ -102,7 +102,5 @@ def describe(handler: C10dRendezvousHandler) -> JobStatus:
         status.waiting = _int(store, R.count_key(latest)) or 0
     if proto.is_closed():
         status.state = "closed"
-    restarts = _int(handler.job_store, "agent/restarts")
-    status.restarts_used = restarts or 0
-    status.root_cause = published_root_cause(handler.job_store, handler.run_id)
+    status.restarts_used, status.root_cause = read_job_state(handler.job_store, handler.run_id)
     return status

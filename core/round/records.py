@@ -1,15 +1,16 @@
-"""Keys, JSON records and signatures of the c10d rendezvous.
+"""Keys, JSON records and signatures of the shared rendezvous round.
 
-Layout under ``elastic/<run_id>/rdzv/`` (the agent's job-wide keys live beside it, under
-``elastic/<run_id>/``)::
+Layout under ``<job prefix>/rdzv/`` (the agent's job-wide keys live beside it, under the
+job prefix), the same on every coordination store::
 
     round                 the newest round number anyone joined (compare_set to advance)
     closed                exists once the rendezvous is closed
-    hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; "done" at shutdown
+    hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; at the end "done"
+                          (its workers finished the job) or "left" (it departed)
     r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
     r/<n>/join/<slot>     the join record of that slot (JSON, HMAC-signed with a token)
     r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
-    r/<n>/lost            members of round n found dead (JSON list)
+    r/<n>/lost            members of round n found dead or departed (JSON list)
 
 Everything is JSON; nothing read from the store is ever unpickled.
 """
@@ -37,7 +38,8 @@ def refused_key(index: int) -> str:
     return f"refused/{index}"
 
 
-DONE = b"done"
+DONE = b"done"  # finished: the job is complete for this node
+LEFT = b"left"  # departed (signalled) while the job goes on: never "done"
 
 
 def hb_key(node_id: str) -> str:
