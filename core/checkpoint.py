@@ -12,10 +12,11 @@ checkpoint (``State.load``). So this module, like all of core/, never imports to
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 from collections.abc import Callable
 from typing import IO, Protocol, runtime_checkable
+
+from elastic.core.named_plugins import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.checkpoint"
 ENV_CHECKPOINT = "ELASTIC_CHECKPOINT"  # e.g. "fs:/shared/ckpt", set by --checkpoint
@@ -43,16 +44,19 @@ class Checkpointer(Protocol):
 
 CheckpointerFactory = Callable[[str | None], Checkpointer]
 
-_registered: dict[str, CheckpointerFactory] = {}
+
+class CheckpointerNotFoundError(PluginNotFoundError):
+    """No checkpointer has the requested name, two claim it, or it cannot be loaded."""
 
 
-class CheckpointerNotFoundError(LookupError):
-    """No checkpointer has the requested name, or it cannot be loaded."""
+CHECKPOINTERS: NamedPluginGroup[CheckpointerFactory] = NamedPluginGroup(
+    GROUP, "checkpointer", "checkpointers", CheckpointerNotFoundError, ("fs",)
+)
 
 
 def register_checkpointer(name: str, factory: CheckpointerFactory) -> None:
     """Register a checkpointer in-process (no entry point needed)."""
-    _registered[name] = factory
+    CHECKPOINTERS.register(name, factory)
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
@@ -62,45 +66,22 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
 
 
 def known_checkpointers() -> list[str]:
-    return sorted({ep.name for ep in md.entry_points(group=GROUP)} | set(_registered))
+    return CHECKPOINTERS.names()
 
 
 def get_factory(name: str) -> CheckpointerFactory:
     """The factory for ``name``: in-process first, then that one entry point only."""
-    if name in _registered:
-        return _registered[name]
-    candidates = list(md.entry_points(group=GROUP, name=name))
-    if not candidates:
-        known = ", ".join(known_checkpointers()) or "none"
-        raise CheckpointerNotFoundError(
-            f"unknown checkpointer {name!r}; known checkpointers: {known}"
-        )
-    if len(candidates) > 1:
-        # Which one wins would depend on sys.path order: refuse rather than guess.
-        origins = " and ".join(
-            sorted(
-                f"{ep.dist.metadata['Name']}=={ep.dist.version} ({ep.value})"
-                if ep.dist
-                else f"? ({ep.value})"
-                for ep in candidates
-            )
-        )
-        raise CheckpointerNotFoundError(f"checkpointer {name!r} is claimed by {origins}")
+    return CHECKPOINTERS.load(name)
+
+
+def validate_checkpoint_spec(spec: str) -> str:
+    """Raise ValueError (one line) for an unknown or doubly claimed name; returns
+    ``spec``. Reads metadata only, so the CLI checks ``--checkpoint`` before starting."""
     try:
-        return candidates[0].load()
-    except Exception as exc:
-        raise CheckpointerNotFoundError(
-            f"checkpointer {name!r} ({candidates[0].value}) failed to load: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def validate_checkpoint_spec(spec: str) -> None:
-    """Raise ValueError for an unknown name, reading metadata only (for the CLI)."""
-    name, _arg = parse_spec(spec)
-    if name not in known_checkpointers():
-        known = ", ".join(known_checkpointers()) or "none"
-        raise ValueError(f"unknown checkpointer {name!r}; known checkpointers: {known}")
+        CHECKPOINTERS.check(parse_spec(spec)[0])
+    except CheckpointerNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    return spec
 
 
 def load_checkpointer(spec: str) -> Checkpointer:

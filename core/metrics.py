@@ -17,7 +17,6 @@ This module never imports torch.
 from __future__ import annotations
 
 import functools
-import importlib.metadata as md
 import os
 import sys
 import threading
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from elastic.core.named_plugins import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.metrics"
 DEFAULT_GROUP = "torchelastic"
@@ -55,12 +56,19 @@ class MetricSink(Protocol):
 
 SinkFactory = Callable[[str | None], MetricSink]
 
-_registered: dict[str, SinkFactory] = {}
+
+class SinkNotFoundError(PluginNotFoundError):
+    """No sink has the requested name, two claim it, or it cannot be loaded."""
+
+
+SINKS: NamedPluginGroup[SinkFactory] = NamedPluginGroup(
+    GROUP, "metrics sink", "sinks", SinkNotFoundError, ("console", "jsonl", "prometheus")
+)
 
 
 def register_sink(name: str, factory: SinkFactory) -> None:
     """Register a sink in-process (no entry point needed), e.g. from a test or a script."""
-    _registered[name] = factory
+    SINKS.register(name, factory)
 
 
 def parse_sink_spec(spec: str | None) -> list[tuple[str, str | None]]:
@@ -80,20 +88,18 @@ def parse_sink_spec(spec: str | None) -> list[tuple[str, str | None]]:
 
 def known_sink_names() -> list[str]:
     """Names from entry-point metadata (nothing is imported) plus in-process ones."""
-    return sorted({ep.name for ep in md.entry_points(group=GROUP)} | set(_registered))
+    return SINKS.names()
 
 
-def validate_sink_names(spec: str | None) -> None:
-    """Raise ValueError (one line, listing the known names) for any unknown sink name.
-
-    Reads metadata only, so the CLI can check ``--metrics-sink`` before starting."""
-    known = known_sink_names()
+def validate_sink_names(spec: str | None) -> str | None:
+    """Raise ValueError (one line) for an unknown or doubly claimed sink name; returns
+    ``spec``. Reads metadata only, so ``--metrics-sink`` is checked before starting."""
     for name, _arg in parse_sink_spec(spec):
-        if name not in known:
-            hint = "" if known else " (built-in sinks exist only when elastic-launch is installed)"
-            raise ValueError(
-                f"unknown metrics sink {name!r}; known sinks: {', '.join(known) or 'none'}{hint}"
-            )
+        try:
+            SINKS.check(name)
+        except SinkNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+    return spec
 
 
 def _report(message: str) -> None:
@@ -101,36 +107,13 @@ def _report(message: str) -> None:
 
 
 def _find_factories(names: list[str]) -> dict[str, SinkFactory]:
-    """Load the factories for ``names`` only; one that fails is reported and left out.
-
-    stevedore's NamedExtensionManager imports just the named entry points and hands each
-    failure to a callback instead of stopping at the first one."""
-    found = {n: _registered[n] for n in names if n in _registered}
-    wanted = [n for n in names if n not in found]
-    if not wanted:
-        return found
-    from stevedore import NamedExtensionManager  # only a run with sinks pays for it
-
-    def on_fail(_mgr: object, ep: md.EntryPoint, exc: BaseException) -> None:
-        _report(
-            f"metrics sink {ep.name!r} failed to load ({type(exc).__name__}: {exc}); it is skipped"
-        )
-
-    manager = NamedExtensionManager(
-        namespace=GROUP,
-        names=wanted,
-        invoke_on_load=False,
-        on_load_failure_callback=on_fail,
-        name_order=True,
-    )
-    for ext in manager.extensions:
-        found.setdefault(ext.name, ext.plugin)
-    for name in wanted:
-        if name not in found and name not in known_sink_names():
-            _report(
-                f"unknown metrics sink {name!r}; known sinks: "
-                f"{', '.join(known_sink_names()) or 'none'}"
-            )
+    """Load the factories for ``names`` only; one that fails is reported and left out."""
+    found: dict[str, SinkFactory] = {}
+    for name in names:
+        try:
+            found[name] = SINKS.load(name)
+        except SinkNotFoundError as exc:
+            _report(f"{exc}; it is skipped")
     return found
 
 

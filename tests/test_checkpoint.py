@@ -205,10 +205,6 @@ class MemoryCheckpointer:
 def test_third_party_checkpointer_through_entry_points(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stevedore import ExtensionManager
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    ExtensionManager.ENTRY_POINT_CACHE.clear()
     site = tmp_path / "site"
     make_dist(
         site,
@@ -230,7 +226,6 @@ def test_third_party_checkpointer_through_entry_points(
     assert load(c) == (5, b"five")
     with pytest.raises(ckpt.CheckpointerNotFoundError, match="failed to load: ImportError"):
         ckpt.load_checkpointer("broken")
-    ExtensionManager.ENTRY_POINT_CACHE.clear()
 
 
 def test_name_claimed_twice_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
