@@ -32,7 +32,7 @@ _INT64 = range(-(2**63), 2**63)
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "validated", "missing", "events")
+    __slots__ = ("sock", "peer", "inbuf", "outbuf", "validated", "missing", "paused", "events")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
@@ -42,6 +42,8 @@ class _Conn:
         self.validated = False
         # The keys a parked WAIT still misses; None when no WAIT is parked.
         self.missing: set[bytes] | None = None
+        # Requests left unanswered in inbuf until its unread answers drain.
+        self.paused = False
         self.events = selectors.EVENT_READ  # as registered with the selector
 
 
@@ -52,7 +54,10 @@ class _Drop(Exception):
 class TCPStoreServer:
     """Serve a TCPStore on ``host:port`` (``port=0``: any free port, see ``.port``), or on
     ``sock``, an already bound socket this server then owns (listening only on the
-    address it was bound to). ``host=""`` listens on every interface, as torch does."""
+    address it was bound to). ``host=""`` listens on every interface, as torch does.
+
+    It serves until ``close()``: unlike torch's, dropping the last reference does not
+    stop it (its thread holds one)."""
 
     def __init__(self, host: str = "", port: int = 0, *, sock: socket.socket | None = None):
         if sock is None:
@@ -164,11 +169,14 @@ class TCPStoreServer:
         conn.inbuf += chunk
 
     def _process(self, conn: _Conn) -> None:
-        """Answer the whole requests buffered, until the peer has too many answers unread
-        (the rest waits for them to drain)."""
+        """Answer the whole requests buffered, but pause at the high-water mark of unread
+        answers: the rest is answered as those drain, one batch per loop round."""
         consumed = 0
         try:
-            while consumed < len(conn.inbuf) and len(conn.outbuf) < _OUT_HIGH_WATER:
+            while consumed < len(conn.inbuf):
+                if len(conn.outbuf) >= _OUT_HIGH_WATER:
+                    conn.paused = True
+                    return
                 reader = wire.Reader(conn.inbuf, consumed)
                 try:
                     req = wire.parse_request(reader)
@@ -178,6 +186,7 @@ class TCPStoreServer:
                     break
                 consumed = reader.pos
                 self._handle(conn, req)
+            conn.paused = False
         except wire.ProtocolError as exc:
             raise _Drop(str(exc)) from None
         finally:
@@ -196,9 +205,12 @@ class TCPStoreServer:
 
     def _update_events(self, conn: _Conn) -> None:
         # Not reading a peer that does not read its answers makes TCP push back on it.
-        reading = len(conn.outbuf) < _OUT_HIGH_WATER
+        # A paused connection wants a round as soon as it can send, even with nothing
+        # left to send: its buffered requests are still to be answered.
+        reading = not conn.paused and len(conn.outbuf) < _OUT_HIGH_WATER
+        writing = conn.paused or bool(conn.outbuf)
         events = (selectors.EVENT_READ if reading else 0) | (
-            selectors.EVENT_WRITE if conn.outbuf else 0
+            selectors.EVENT_WRITE if writing else 0
         )
         if events != conn.events:
             conn.events = events

@@ -1,0 +1,502 @@
+"""The torch-free TCPStore client and server (elastic.core.tcpstore): real sockets on
+loopback, and torch's own TCPStore on the other end for interoperability."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from conftest import REPO, free_port
+from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.store import StoreTimeoutError
+from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
+
+HOST = "127.0.0.1"
+ClientFactory = Callable[..., TCPStoreClient]
+
+
+@pytest.fixture
+def server() -> Iterator[TCPStoreServer]:
+    srv = TCPStoreServer(HOST, 0)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def connect() -> Iterator[ClientFactory]:
+    """Clients that are closed at teardown whatever the test did."""
+    clients: list[TCPStoreClient] = []
+
+    def make(port: int, timeout: float = 10.0, **kwargs: object) -> TCPStoreClient:
+        client = TCPStoreClient(HOST, port, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def torch_server(use_libuv: bool) -> Any:
+    """torch's own TCPStore server, listening on loopback only (its master would bind
+    every interface; an already bound socket keeps it to this one)."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    return TCPStore(
+        HOST,
+        port,
+        None,
+        True,
+        timedelta(seconds=10),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        use_libuv=use_libuv,
+    )
+
+
+def torch_client(port: int, timeout: float = 10.0) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(HOST, port, None, False, timedelta(seconds=timeout))
+
+
+@pytest.fixture(params=["ours", "torch-libuv", "torch-legacy"])
+def any_server(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The port of a running server of each kind."""
+    if request.param == "ours":
+        srv = TCPStoreServer(HOST, 0)
+        try:
+            yield srv.port
+        finally:
+            srv.close()
+    else:
+        store = torch_server(use_libuv=request.param == "torch-libuv")
+        yield store.port
+        del store  # the last reference: torch stops its server here
+
+
+@contextmanager
+def after(seconds: float, action: Callable[[], object]) -> Iterator[None]:
+    """Run ``action`` in a thread ``seconds`` from now; on exit, join it and raise what
+    it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        time.sleep(seconds)
+        try:
+            action()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(30)
+    if errors:
+        raise errors[0]
+
+
+# --- our client, against every server ------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_every_operation(any_server: int, connect: ClientFactory) -> None:
+    c = connect(any_server)
+    other = connect(any_server)
+
+    c.set("a", b"1")
+    c.set("s", "text")
+    assert c.get("a") == b"1" and other.get("s") == b"text"
+
+    assert c.add("n", 5) == 5
+    assert other.add("n", -2) == 3
+    assert c.get("n") == b"3"
+
+    assert c.compare_set("cs", "", "v1") == b"v1"  # absent, expected "": set
+    assert c.compare_set("cs", "wrong", "v2") == b"v1"  # mismatch: current value
+    assert c.compare_set("cs", "v1", "v2") == b"v2"  # match: new value
+    assert c.compare_set("absent", "e", "d") == b"e"  # absent, expected set: torch's lie
+    assert not c.check(["absent"])
+
+    assert c.check(["a", "n"]) and not c.check(["a", "nope"]) and c.check([])
+    assert c.delete_key("a") is True and c.delete_key("a") is False
+    assert not c.check(["a"])
+
+    c.multi_set(["m1", "m2"], [b"x", "y"])
+    assert other.multi_get(["m1", "m2", "n"]) == [b"x", b"y", b"3"]
+    assert c.multi_get([]) == []
+    assert c.num_keys() == 5  # s, n, cs, m1, m2
+
+    c.wait(["m1", "s"])  # present: returns at once
+    with after(0.3, lambda: other.set("late", b"L")):
+        c.wait(["late"], timedelta(seconds=20))
+    with after(0.3, lambda: other.set("later", b"LL")):
+        assert c.get("later") == b"LL"  # get blocks until the key exists
+
+    started = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match=f"{HOST}:{any_server}"):
+        c.wait(["never"], timedelta(seconds=0.5))
+    assert 0.4 < time.monotonic() - started < 5
+    assert c.get("s") == b"text"  # the cancelled wait left the stream in step
+
+
+@pytest.mark.timeout(60)
+def test_get_and_multi_get_time_out_like_wait(server: TCPStoreServer, connect: ClientFactory):
+    c = connect(server.port, timeout=0.5)
+    c.set("here", b"1")
+    with pytest.raises(StoreTimeoutError, match="never"):
+        c.get("never")
+    with pytest.raises(StoreTimeoutError):
+        c.multi_get(["here", "never"])
+    assert c.multi_get(["here"]) == [b"1"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "wake",
+    [
+        lambda s: s.set("k", b"v"),
+        lambda s: s.add("k", 1),
+        lambda s: s.compare_set("k", "", "v"),
+        lambda s: s.multi_set(["other", "k"], [b"1", b"2"]),
+    ],
+    ids=["set", "add", "compare_set", "multi_set"],
+)
+def test_parked_wait_is_woken_by(
+    wake: Callable[[TCPStoreClient], object], server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    waiter, writer = connect(server.port), connect(server.port)
+    started = time.monotonic()
+    with after(0.3, lambda: wake(writer)):
+        waiter.wait(["k"], timedelta(seconds=30))
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+def test_wait_on_several_keys_needs_all_of_them(server: TCPStoreServer, connect: ClientFactory):
+    waiter, writer = connect(server.port), connect(server.port)
+    done = threading.Event()
+
+    def wait() -> None:
+        waiter.wait(["a", "b"], timedelta(seconds=30))
+        done.set()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    writer.set("a", b"1")
+    assert not done.wait(0.5)
+    writer.set("b", b"1")
+    assert done.wait(10)
+    thread.join(10)
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_clients_add_atomically(server: TCPStoreServer, connect: ClientFactory):
+    shared = connect(server.port)  # one client used from every thread: the lock
+    threads, per_thread = 8, 200
+    own = [connect(server.port) for _ in range(threads)]
+    errors: list[BaseException] = []
+
+    def work(client: TCPStoreClient) -> None:
+        try:
+            for _ in range(per_thread):
+                client.add("counter", 1)
+                shared.add("counter", 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(c,)) for c in own]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(100)
+    assert not errors
+    assert shared.add("counter", 0) == 2 * threads * per_thread
+
+
+# --- torch's client against our server ----------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_torch_client_against_our_server(server: TCPStoreServer, connect: ClientFactory):
+    from torch.distributed import DistStoreError
+
+    t = torch_client(server.port)
+    ours = connect(server.port)
+    t.set("a", "1")
+    assert ours.get("a") == b"1" and t.get("a") == b"1"
+    assert t.add("n", 3) == 3 and ours.add("n", 2) == 5
+    assert t.compare_set("cs", "", "v") == b"v"
+    assert t.compare_set("cs", "x", "y") == b"v"
+    assert t.compare_set("cs", "v", "w") == b"w"
+    assert t.compare_set("absent", "e", "d") == b"e"
+    assert t.check(["a", "n"]) and not t.check(["a", "zz"])
+    assert t.delete_key("a") and not t.delete_key("a")
+    ours.multi_set(["m1", "m2"], ["x", "y"])
+    assert t.multi_get(["m1", "m2"]) == [b"x", b"y"]
+    assert t.num_keys() == ours.num_keys() == 4
+
+    with after(0.3, lambda: ours.set("late", "L")):
+        t.wait(["late"], timedelta(seconds=20))
+    with after(0.3, lambda: ours.set("later", "LL")):
+        assert t.get("later") == b"LL"
+
+    with pytest.raises(DistStoreError, match="timeout"):
+        t.wait(["never"], timedelta(seconds=0.5))
+    assert t.get("m1") == b"x"  # torch's CANCEL_WAIT was answered: still in step
+
+
+# --- misbehaving peers ----------------------------------------------------------------------
+
+
+def raw(port: int) -> socket.socket:
+    sock = socket.create_connection((HOST, port), timeout=10)
+    return sock
+
+
+def handshaken(port: int) -> socket.socket:
+    sock = raw(port)
+    sock.sendall(wire.handshake(7))
+    assert sock.recv(4) == wire.U32.pack(7)
+    return sock
+
+
+def responsive(client: TCPStoreClient, within: float = 3.0) -> None:
+    started = time.monotonic()
+    assert client.add("alive", 1) > 0
+    client.set("x", b"y")
+    assert client.get("x") == b"y"
+    assert time.monotonic() - started < within
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not even a VALIDATE
+        wire.request(wire.Query.VALIDATE, wire.U32.pack(0xDEADBEEF)),  # wrong magic
+        wire.handshake(1) + b"\x63",  # an unknown query type after a good start
+        wire.handshake(1) + wire.request(wire.Query.SET, wire.U64.pack(2**40)),  # huge key
+    ],
+    ids=["http", "bad-magic", "unknown-query", "huge-length"],
+)
+def test_garbage_drops_that_connection_only(
+    garbage: bytes, server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    good = connect(server.port)
+    with raw(server.port) as bad:
+        bad.sendall(garbage)
+        received = b""
+        while chunk := bad.recv(4096):  # the server closes it: EOF (or a reset)
+            received += chunk
+    assert len(received) <= 4  # at most the PING answer
+    responsive(good)
+    responsive(connect(server.port))
+
+
+@pytest.mark.timeout(60)
+def test_silent_clients_do_not_stop_others(server: TCPStoreServer, connect: ClientFactory):
+    silent = [raw(server.port), handshaken(server.port), handshaken(server.port)]
+    try:
+        # one connected and said nothing, one validated, one stopped mid-request
+        silent[2].sendall(wire.request(wire.Query.SET, wire.blob(b"/half"))[:-2])
+        time.sleep(0.2)
+        responsive(connect(server.port))
+        responsive(connect(server.port))
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_key_flood_does_not_stop_others(server: TCPStoreServer, connect: ClientFactory):
+    stop = threading.Event()
+
+    def flood() -> None:  # pipelined SETs of new keys, as fast as the socket takes them
+        with handshaken(server.port) as sock:
+            n = 0
+            while not stop.is_set():
+                sock.sendall(
+                    b"".join(
+                        wire.request(wire.Query.SET, wire.blob(b"/f%d" % i), wire.blob(b"v"))
+                        for i in range(n, n + 500)
+                    )
+                )
+                n += 500
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(5):
+            responsive(connect(server.port), within=5.0)
+        assert connect(server.port).num_keys() > 1000  # the flood really was being served
+    finally:
+        stop.set()
+        flooder.join(30)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_never_reads_is_not_buffered_for(
+    server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    connect(server.port).set("big", b"x" * (1 << 20))
+    before = rss_bytes()
+    # 300 GETs of a 1 MiB value, never read: 300 MiB of answers if the server buffered
+    # them all; it stops reading this client instead.
+    with handshaken(server.port) as hoarder:
+        hoarder.sendall(wire.request(wire.Query.GET, wire.blob(b"/big")) * 300)
+        time.sleep(1.0)
+        responsive(connect(server.port))
+        assert rss_bytes() - before < 64 * 1024 * 1024
+        # It is paused, not dropped: reading its answers resumes it.
+        hoarder.settimeout(30)
+        expected, received = 300 * (8 + (1 << 20)), 0
+        while received < expected and (chunk := hoarder.recv(1 << 20)):
+            received += len(chunk)
+        assert received == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_server_is_gone_for_its_clients(connect: ClientFactory) -> None:
+    srv = TCPStoreServer(HOST, 0)
+    idle, waiting = connect(srv.port), connect(srv.port)
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiting.wait(["never"], timedelta(seconds=60))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    srv.close()
+    srv.close()  # idempotent
+    with pytest.raises(RendezvousStoreGoneError) as gone:
+        idle.set("k", b"v")
+        idle.get("k")
+    message = str(gone.value)
+    assert f"{HOST}:{srv.port}" in message and "\n" not in message
+    waiter.join(10)  # a parked wait learns it at once, not after its 60 s
+    assert len(outcome) == 1 and isinstance(outcome[0], RendezvousStoreGoneError)
+    with pytest.raises(RendezvousStoreGoneError):  # and the client stays dead
+        idle.check(["k"])
+
+
+@pytest.mark.timeout(30)
+def test_nothing_listening_is_gone_at_once() -> None:
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(RendezvousStoreGoneError, match=f"{HOST}:{port}") as gone:
+        TCPStoreClient(HOST, port, timeout=20)
+    assert time.monotonic() - started < 2
+    assert "\n" not in str(gone.value)
+
+
+class SilentServer:
+    """Answers the handshake, then nothing: a partition that sends no reset."""
+
+    def __init__(self, answer_ping: bool = True) -> None:
+        self.listener = socket.create_server((HOST, 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.answer_ping = answer_ping
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return  # closed before anyone connected
+        self.conns.append(conn)
+        handshake = b""
+        while len(handshake) < 10 and (chunk := conn.recv(10 - len(handshake))):
+            handshake += chunk
+        if self.answer_ping:
+            conn.sendall(handshake[6:10])
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer_ping", [True, False], ids=["mid-session", "in-handshake"])
+def test_a_silent_server_is_detected_in_timeout(answer_ping: bool) -> None:
+    silent = SilentServer(answer_ping)
+    client = None
+    try:
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as lost:
+            client = TCPStoreClient(HOST, silent.port, timeout=1.0)
+            client.add("k", 1)
+        assert 0.8 < time.monotonic() - started < 10
+        assert not isinstance(lost.value, RendezvousStoreGoneError)  # no answer, not gone
+        assert f"{HOST}:{silent.port}" in str(lost.value) and "\n" not in str(lost.value)
+    finally:
+        if client is not None:
+            client.close()
+        silent.close()
+
+
+@pytest.mark.timeout(60)
+def test_server_on_a_bound_socket_and_client_close(connect: ClientFactory) -> None:
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    with TCPStoreServer(sock=sock) as srv:
+        assert srv.port == sock.getsockname()[1]
+        client = connect(srv.port)
+        client.set("k", b"v")
+        client.close()
+        client.close()  # idempotent
+        with pytest.raises(RendezvousConnectionError, match="closed"):
+            client.get("k")
+        assert connect(srv.port).get("k") == b"v"
+
+
+@pytest.mark.timeout(120)
+def test_client_and_server_never_import_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
+        with TCPStoreServer("127.0.0.1", 0) as srv, TCPStoreClient("127.0.0.1", srv.port) as c:
+            c.set("k", b"v")
+            assert c.get("k") == b"v" and c.add("n", 2) == 2
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
