@@ -25,6 +25,7 @@ from elastic.core.job_state import (
     CLAIM_KEY,
     FAILED_KEY,
     RESTARTS_KEY,
+    JobWatch,
     claim_restart,
     exit_barrier,
     report_failure,
@@ -50,6 +51,7 @@ from elastic.core.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousFencedError,
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
@@ -62,6 +64,12 @@ from elastic.core.worker_env import assign_ranks, substitute_args, worker_vars
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting()/lost_nodes() calls
 FAILED_CHECK_INTERVAL = 1.0  # seconds between checks of the job-wide failed flag
+# Grace for workers stopped because the world they train in is gone (fenced, store lost):
+# they must be down within heartbeat_timeout + 1 s, whatever --shutdown-timeout says.
+FENCE_GRACE = 1.0
+# How long a worker failure that looks like a lost peer (gloo/NCCL connection errors)
+# waits for the rendezvous to confirm a departure before it spends a restart.
+PEER_LOSS_WAIT = 7.0
 
 
 class ElasticAgent(abc.ABC):
@@ -139,6 +147,10 @@ class LocalElasticAgent(ElasticAgent):
     # --- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> RunResult:
         name = signal.Signals(signum).name
+        # Tell the job first: the survivors regroup while our workers wind down, and a
+        # departure never spends the restart budget or looks like a finished node.
+        with contextlib.suppress(Exception):
+            self._handler.leave()
         self._stop(signum, self._spec.shutdown_timeout)
         message = f"the agent received {name}; its workers were stopped"
         print(f"elastic: {message}", file=sys.stderr, flush=True)
@@ -178,8 +190,13 @@ class LocalElasticAgent(ElasticAgent):
                 if self._job_failed():
                     return self._final_failure("the job failed on another node")
                 result = self._run_attempt(info)
+            except RendezvousFencedError as exc:
+                self._stop(signal.SIGTERM, FENCE_GRACE)
+                print(f"elastic: {exc}", file=sys.stderr, flush=True)
+                self._notify("elastic_restart", group=self._group, reason="fenced")
+                continue
             except RendezvousConnectionError as exc:
-                self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+                self._stop(signal.SIGTERM, FENCE_GRACE)
                 return self._one_line_failure(f"lost the rendezvous backend: {exc}")
             if result is not None:
                 return result
@@ -267,9 +284,16 @@ class LocalElasticAgent(ElasticAgent):
         return None
 
     def _monitor(self, info: RendezvousInfo) -> tuple[str, dict[int, tuple[int, float]]]:
-        """Watch the workers until something happens; sleeps between checks."""
+        """Watch the workers until something happens; sleeps between checks. Reads only
+        cached job and membership state, so a partition cannot hold this loop up."""
+        watch = JobWatch(info.store, info.round, FAILED_CHECK_INTERVAL)
+        try:
+            return self._watch_workers(watch)
+        finally:
+            watch.stop()
+
+    def _watch_workers(self, watch: JobWatch) -> tuple[str, dict[int, tuple[int, float]]]:
         next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
-        next_failed = time.monotonic() + FAILED_CHECK_INTERVAL
         while True:
             with self._guard.waiting():
                 time.sleep(self._spec.monitor_interval)
@@ -282,19 +306,19 @@ class LocalElasticAgent(ElasticAgent):
             if all(c == 0 for c in codes.values()):
                 self._group.state = WorkerState.SUCCEEDED
                 return "succeeded", {}
+            if watch.error is not None:
+                raise RendezvousConnectionError(str(watch.error))
+            if watch.failed:
+                return "job_failed", {}
+            if watch.peer_failed:
+                return "peer_failed", {}  # a peer's workers failed this round
             mono = time.monotonic()
-            if mono >= next_failed:
-                next_failed = mono + FAILED_CHECK_INTERVAL
-                if self._job_failed():
-                    return "job_failed", {}
-                if store_call(info.store.check, [CLAIM_KEY.format(info.round)]):
-                    return "peer_failed", {}  # a peer's workers failed this round
             if mono >= next_membership:
                 next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
+                if store_call(self._handler.lost_nodes):  # raises when we are fenced
+                    return "lost_node", {}
                 if store_call(self._handler.num_nodes_waiting) > 0:
                     return "membership", {}
-                if store_call(self._handler.lost_nodes):
-                    return "lost_node", {}
 
     # --- endings --------------------------------------------------------------------------
     def _succeeded(self, info: RendezvousInfo) -> RunResult | None:
@@ -346,6 +370,12 @@ class LocalElasticAgent(ElasticAgent):
             for record in records if syntax else []:
                 if "SyntaxError" not in record.message:
                     record.message = syntax
+        if info.world_size > 1 and self._departure_caused(records):
+            # A node left or died and took our workers' collectives with it: re-form
+            # the group without spending the restart budget or blaming our workers.
+            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+            self._notify("elastic_restart", group=self._group, reason="lost_node")
+            return None
         # Publish and decide before stopping the siblings: peers learn of the failure (the
         # restart claim, the failed flag) while our grace period runs, not after it.
         self._failures = {r.rank: r for r in records}
@@ -370,6 +400,27 @@ class LocalElasticAgent(ElasticAgent):
             return self._final_failure(final)
         self._notify("elastic_restart", group=self._group, reason="failure")
         return None
+
+    def _departure_caused(self, records: list[fail.FailureRecord]) -> bool:
+        """Whether a member of this round left or died: at once if it is already known
+        (a departing node says so before its workers stop); otherwise, unless the
+        workers' own errors show a failure of their own, after waiting a liveness
+        timeout for the rendezvous to confirm a crashed peer."""
+        if store_call(self._handler.membership_changed):
+            return True
+        if not all(fail.may_be_peer_loss(record) for record in records):
+            return False
+        deadline = time.monotonic() + PEER_LOSS_WAIT
+        while time.monotonic() < deadline:
+            with self._guard.waiting():
+                time.sleep(0.25)
+            if store_call(self._handler.membership_changed):
+                return True
+            if self._store is not None and store_call(
+                self._store.check, [CLAIM_KEY.format(self._group.round)]
+            ):
+                return False  # another node's workers failed first: a real failure
+        return False
 
     def _give_up(self) -> None:
         assert self._store is not None

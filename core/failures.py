@@ -174,6 +174,28 @@ _STARTUP_PATTERNS = [
 _FRAME = re.compile(r'^\s*File "[^"]*", line \d+, in (\S+)', re.M)
 
 
+# What gloo, NCCL and torch's store say when a peer process or its host went away.
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|ECONNRESET|Broken pipe|"
+    r"Connection refused|Socket Timeout|DistNetworkError|remote process exited|"
+    r"NCCL communicator was aborted|ncclRemoteError|Timed out waiting .* for client",
+    re.IGNORECASE,
+)
+
+
+def may_be_peer_loss(record: FailureRecord) -> bool:
+    """Whether a worker failure may have been caused by another node leaving: its error
+    names a lost connection, or nothing is known of it (output on the console, no error
+    file). A Python error of the worker's own (a traceback that is not a connection
+    error) or a signal it died of is its own failure."""
+    if record.signal:
+        return False
+    text = "\n".join(t for t in (record.message, record.traceback) if t)
+    if not text.strip():
+        return True
+    return bool(_PEER_LOSS.search(text))
+
+
 def is_deterministic_startup_failure(record: FailureRecord) -> bool:
     """True for failures that happen the same way on every attempt, so the agent should
     report them at once instead of spending restarts: a missing script or module, a

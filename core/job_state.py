@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from elastic.core.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousStateError,
+    RendezvousStoreGoneError,
 )
 from elastic.core.store import Store
 
@@ -77,27 +79,66 @@ def claim_restart(store: Store, round_: int, node_id: str) -> int:
 def exit_barrier(
     store: Store, round_: int, world_size: int, timeout: float, lost: Callable[[], list[str]]
 ) -> str:
-    """Wait (up to ``timeout`` s) for every node of the round to finish, so a node that
-    hosts the store does not take it away from nodes still finishing their workers.
+    """Wait (up to ``timeout`` s) for every node of the round that is still a member to
+    finish, so a node that hosts the store does not take it away from nodes still
+    finishing their workers.
 
-    A round succeeds only when every node's workers do. Returns ``"done"``; ``"failed"``
-    when the job failed meanwhile (another node spent the last restart); ``"restart"``
-    when another node's workers failed in this round (it claimed a restart) or a member
-    was lost, so this node must rejoin instead of waiting for a peer that never comes.
+    A node that left or died is never waited for: the barrier is done once every other
+    member has arrived. Returns ``"done"``; ``"failed"`` when the job failed meanwhile
+    (another node spent the last restart); ``"restart"`` when another node's workers
+    failed in this round (it claimed a restart), so this node must rejoin.
     """
     key = BARRIER_KEY.format(round_)
-    if int(store_call(store.add, key, 1)) >= world_size:
-        store_call(store.set, f"{key}/done", "1")
+    store_call(store.add, key, 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if store_call(store.check, [f"{key}/done"]):
             return "done"
         if store_call(store.check, [FAILED_KEY]):
             return "failed"
-        if store_call(store.check, [CLAIM_KEY.format(round_)]) or store_call(lost):
+        if store_call(store.check, [CLAIM_KEY.format(round_)]):
             return "restart"
+        try:
+            gone = len(lost())
+        except RendezvousError:
+            gone = 0  # cannot tell (fenced): wait for everyone, bounded by the timeout
+        if int(store_call(store.add, key, 0)) >= world_size - gone:
+            store_call(store.set, f"{key}/done", "1")
+            return "done"
         time.sleep(0.1)
     return "done"  # as torch: a peer that never arrives does not fail this node
+
+
+class JobWatch:
+    """The job-wide flags of one round (another node spent the budget; another node's
+    workers failed), read every ``interval`` s by a daemon thread, so the agent's monitor
+    loop never blocks on a store that stopped answering (a partition): it reads cached
+    values and learns of the partition through the handler's fencing instead."""
+
+    def __init__(self, store: Store, round_: int, interval: float = 1.0) -> None:
+        self._store = store
+        self._claim = CLAIM_KEY.format(round_)
+        self._interval = interval
+        self._stop = threading.Event()
+        self.failed = False  # agent/failed is set: the job is over
+        self.peer_failed = False  # a node claimed this round's restart
+        self.error: Exception | None = None  # the store said it is gone
+        self._thread = threading.Thread(target=self._run, name="job-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.failed = bool(store_call(self._store.check, [FAILED_KEY]))
+                self.peer_failed = bool(store_call(self._store.check, [self._claim]))
+            except RendezvousStoreGoneError as exc:
+                self.error = exc
+                return
+            except RendezvousError:
+                continue  # unreachable for now: the handler's fencing decides
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def report_failure(store: Store | None, run_id: str, host: PluginHost | None, message: str) -> int:
