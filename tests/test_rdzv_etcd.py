@@ -151,9 +151,9 @@ def test_password(backend: str, etcd_server: EtcdCluster) -> None:
 
 def test_corrupt_state_names_key(etcd_server_shared: EtcdCluster) -> None:
     client = etcd.Client(port=etcd_server_shared.members[0].client_port)
-    client.write("/elastic/rdzv/corrupt/rounds/0/assignment", "{not json")
     h = get_rendezvous_handler(params("etcd-v2", etcd_server_shared.endpoint, "corrupt", 1))
-    with pytest.raises(RendezvousStateError, match="/elastic/rdzv/corrupt/rounds/0/assignment"):
+    h.rdzv_store.set("round", "{not json")
+    with pytest.raises(RendezvousStateError, match="/elastic/rdzv/corrupt/rdzv/round"):
         h.next_rendezvous()
     client.write("/elastic/etcd/run_corrupt2/rdzv/active_version", "garbage")
     h = get_rendezvous_handler(params("etcd", etcd_server_shared.endpoint, "corrupt2", 1))
@@ -198,6 +198,7 @@ def test_shutdown_is_not_a_lost_node(etcd_server_shared: EtcdCluster) -> None:
     for backend in BACKENDS:
         hs = handlers(backend, etcd_server_shared.endpoint, f"bye-{backend}", 2)
         rendezvous(hs)
+        hs[1].set_closed()  # the job finished: shutting down now is done, not lost
         hs[1].shutdown()
         time.sleep(3)  # past the heartbeat TTL
         assert hs[0].lost_nodes() == [], backend

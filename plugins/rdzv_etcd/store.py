@@ -1,4 +1,5 @@
-"""An etcd-backed ``elastic.core.store.Store`` (the job store in ``RendezvousInfo.store``).
+"""An etcd v2 ``CoordinationStore`` (``elastic.core.coordination``): the store the shared
+round runs over in the ``etcd-v2`` backend, and the job store of the legacy ``etcd`` one.
 
 Keys are base64url-encoded into one path segment each, so ``agent/failures`` and
 ``agent/failures/3`` never collide as etcd file vs directory; values are base64 because
@@ -33,20 +34,55 @@ def _dec_value(text: str | None) -> bytes:
 
 
 class EtcdStore:
-    """A ``Store`` under ``prefix`` (a directory of the run id's subtree)."""
+    """A store whose keys live in one etcd directory ``directory``; ``sub`` narrows the
+    key prefix (``logical``), never the directory, so every key stays one flat entry."""
 
     def __init__(
-        self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)
+        self,
+        client: EtcdClient,
+        directory: str,
+        timeout: timedelta = timedelta(seconds=300),
+        *,
+        logical: str = "",
+        heartbeat_ttl: int = 10,
     ) -> None:
         self.client = client
-        self.prefix = prefix.rstrip("/") + "/"
+        self.directory = directory.rstrip("/") + "/"
+        self.logical = logical
         self.timeout = timeout
+        self.heartbeat_ttl = heartbeat_ttl
+        self.where = client.url()
+
+    @property
+    def prefix(self) -> str:
+        """For messages: the directory and the logical key prefix."""
+        return self.directory + self.logical
+
+    def sub(self, prefix: str) -> EtcdStore:
+        return EtcdStore(
+            self.client,
+            self.directory,
+            self.timeout,
+            logical=self.logical + prefix,
+            heartbeat_ttl=self.heartbeat_ttl,
+        )
 
     def _path(self, key: str) -> str:
-        return self.prefix + _enc_key(key)
+        return self.directory + _enc_key(self.logical + key)
 
     def set(self, key: str, value: bytes | str) -> None:
         self.client.call("write", self._path(key), _enc_value(value))
+
+    def heartbeat(self, key: str, value: bytes | str) -> None:
+        # A TTL well past the liveness timeout: a dead node's key goes away by itself,
+        # but a slow heartbeat thread is judged by staleness, not by a vanished key.
+        self.client.call("write", self._path(key), _enc_value(value), ttl=self.heartbeat_ttl)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [_dec_value(self.client.call("read", self._path(k)).value) for k in keys]
+
+    def close(self) -> None:
+        """python-etcd's pooled connections close with the client."""
 
     def get(self, key: str) -> bytes:
         self.wait([key])
@@ -54,6 +90,11 @@ class EtcdStore:
 
     def add(self, key: str, amount: int) -> int:
         path = self._path(key)
+        if amount == 0:  # a read: no write, no contention
+            try:
+                return int(_dec_value(self.client.call("read", path).value))
+            except etcd.EtcdKeyNotFound:
+                return 0
         while True:
             try:
                 current = self.client.call("read", path)

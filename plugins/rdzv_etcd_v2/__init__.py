@@ -1,50 +1,55 @@
-"""The ``etcd-v2`` rendezvous backend: our c10d membership rules over etcd's v2 API.
+"""The ``etcd-v2`` rendezvous backend: the shared round over etcd's v2 API.
 
-Per-node join records (etcd in-order keys, so joining never contends), one published
-assignment per round (created with ``prevExist=false``: exactly one writer wins), TTL'd
-heartbeats whose expiry wakes every survivor through a watch. State is JSON; nothing read
-from etcd is ever unpickled. Layout under ``<key_prefix>/<run_id>``::
+Every membership rule is the shared round's (``elastic.core.round``); this backend only
+connects. Its store keeps each key as one flat entry (base64url-encoded) in the job's
+directory ``<key_prefix>/<run_id>/``; heartbeats carry a TTL so a dead node's key goes
+away by itself; ``compare_set`` and ``add`` are etcd test-and-set writes; ``wait`` is a
+watch. State is JSON; nothing read from etcd is ever unpickled.
 
-    closed                    present once the job is finished
-    fingerprint               the job's fingerprint (first node writes it)
-    open_round                the round nodes join now (an int)
-    rounds/<r>/joins/<seq>    one join record per node (TTL, refreshed while waiting)
-    rounds/<r>/assignment     the formed round: members by rank, master addr/port
-    rounds/<r>/alive/<node>   members' heartbeats (TTL, refreshed)
-    store/                    the job store (``RendezvousInfo.store``)
+etcd 3.4/3.5 serve the v2 API only with ``--enable-v2``, and etcd 3.6 removed it: prefer
+the ``etcd-v3`` backend, which needs neither.
 
-``--rdzv-conf`` keys: protocol, ca_cert, ssl_cert, ssl_cert_key, username, password,
-key_prefix, join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt,
-read_timeout, retry_timeout.
+``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``) and ``ETCD_V2_KEYS``.
 """
 
 from __future__ import annotations
 
-from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
-from elastic.plugins.rdzv_etcd.client import CONNECTION_KEYS, check_reachable, client_from_params
-from elastic.plugins.rdzv_etcd_v2.handler import EtcdV2RendezvousHandler, Settings
+import math
 
-ACCEPTED_KEYS = (
-    *CONNECTION_KEYS,
-    "ca_cert",
-    "ssl_cert",
-    "ssl_cert_key",
-    "key_prefix",
-    "join_timeout",
-    "last_call_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-)
+from elastic.core import net
+from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
+from elastic.core.round.handler import RoundRendezvousHandler
+from elastic.core.round.settings import parse_round_settings
+from elastic.plugins.rdzv_etcd.client import CONNECTION_KEYS, check_reachable, client_from_params
+from elastic.plugins.rdzv_etcd.store import EtcdStore
+
+DEFAULT_PREFIX = "/elastic/rdzv"
+ETCD_V2_KEYS = (*CONNECTION_KEYS, "ca_cert", "ssl_cert", "ssl_cert_key", "key_prefix")
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    params.check_keys(ACCEPTED_KEYS)
-    settings = Settings.from_params(params)
-    client = client_from_params(
-        params, ca_key="ca_cert", cert_key="ssl_cert", key_key="ssl_cert_key"
+    settings = parse_round_settings(params, ETCD_V2_KEYS)
+    prefix = "/" + (params.get("key_prefix", DEFAULT_PREFIX) or "").strip("/")
+    directory = f"{prefix}/{params.run_id}"
+    ttl = math.ceil(2 * settings.heartbeat_timeout)
+
+    def store() -> EtcdStore:
+        client = client_from_params(
+            params, ca_key="ca_cert", cert_key="ssl_cert", key_key="ssl_cert_key"
+        )
+        return EtcdStore(client, directory, heartbeat_ttl=ttl)
+
+    job_store = store()
+    check_reachable(job_store.client)
+    host, port = job_store.client.members[0]
+    return RoundRendezvousHandler(
+        params,
+        settings,
+        "etcd-v2",
+        job_store,
+        None if params.read_only else store(),  # the monitor thread's own connection
+        params.local_addr or net.route_address(host, port),
     )
-    check_reachable(client)
-    return EtcdV2RendezvousHandler(params, client, settings)
 
 
-__all__ = ["ACCEPTED_KEYS", "EtcdV2RendezvousHandler", "create_handler"]
+__all__ = ["ETCD_V2_KEYS", "create_handler"]
