@@ -263,6 +263,73 @@ def test_torch_client_against_our_server(server: TCPStoreServer, connect: Client
     assert t.get("m1") == b"x"  # torch's CANCEL_WAIT was answered: still in step
 
 
+# --- the wire ------------------------------------------------------------------------------
+
+
+def one_of_each() -> tuple[bytes, list[wire.Request]]:
+    """Every request we serve, encoded, and what parsing it must give."""
+    q, blob, blobs = wire.Query, wire.blob, wire.blobs
+    keys = (b"/a", b"/b")
+    stream = [
+        wire.handshake(7),
+        wire.request(q.SET, blob(b"/k"), blob(b"value")),
+        wire.request(q.COMPARE_SET, blob(b"/k"), blob(b""), blob(b"new")),
+        wire.request(q.GET, blob(b"/k")),
+        wire.request(q.ADD, blob(b"/n"), wire.I64.pack(-3)),
+        wire.request(q.CHECK, blobs(keys)),
+        wire.request(q.WAIT, blobs(keys)),
+        wire.request(q.GETNUMKEYS),
+        wire.request(q.DELETE_KEY, blob(b"/k")),
+        wire.request(q.MULTI_GET, blobs(keys)),
+        wire.multi_set([(b"/a", b"1"), (b"/b", b"")]),
+        wire.request(q.CANCEL_WAIT),
+    ]
+    R = wire.Request
+    parsed = [
+        R(q.VALIDATE, number=wire.VALIDATION_MAGIC),
+        R(q.PING, number=7),
+        R(q.SET, key=b"/k", value=b"value"),
+        R(q.COMPARE_SET, key=b"/k", value=b"", desired=b"new"),
+        R(q.GET, key=b"/k"),
+        R(q.ADD, key=b"/n", number=-3),
+        R(q.CHECK, keys=keys),
+        R(q.WAIT, keys=keys),
+        R(q.GETNUMKEYS),
+        R(q.DELETE_KEY, key=b"/k"),
+        R(q.MULTI_GET, keys=keys),
+        R(q.MULTI_SET, pairs=((b"/a", b"1"), (b"/b", b""))),
+        R(q.CANCEL_WAIT),
+    ]
+    return b"".join(stream), parsed
+
+
+def parse_in_pieces(stream: bytes, piece: int) -> list[wire.Request]:
+    parser, parsed = wire.RequestParser(), []
+    for start in range(0, len(stream), piece):
+        parser.feed(stream[start : start + piece])
+        while (request := parser.next()) is not None:
+            parsed.append(request)
+    assert parser.buffered == 0
+    return parsed
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 64, 1 << 20])
+def test_requests_parse_however_the_stream_is_cut(piece: int) -> None:
+    stream, expected = one_of_each()
+    assert parse_in_pieces(stream, piece) == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_request_in_many_pieces_is_parsed_once() -> None:
+    # 128Ki pairs in 800 pieces: parsing from the start on every piece would take
+    # minutes, parsing where it stopped a fraction of a second.
+    pairs = tuple((b"/k%06d" % i, b"v") for i in range(wire.MAX_KEY_COUNT))
+    started = time.process_time()
+    (request,) = parse_in_pieces(wire.multi_set(pairs), 4096)
+    assert request.pairs == pairs
+    assert time.process_time() - started < 10
+
+
 # --- misbehaving peers ----------------------------------------------------------------------
 
 

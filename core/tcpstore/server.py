@@ -9,7 +9,7 @@ is dropped (libuv ignores it), and so is any malformed request.
 A misbehaving client costs only its own connection: garbage drops it; silence costs one
 idle socket; a client that sends faster than it reads stops being read (TCP pushes back
 on it) once its unread responses pass ``_OUT_HIGH_WATER``; one request is capped at
-``_MAX_REQUEST`` bytes. The store itself is not capped, as torch's is not.
+``wire.MAX_REQUEST_LEN`` bytes. The store itself is not capped, as torch's is not.
 """
 
 from __future__ import annotations
@@ -24,25 +24,25 @@ from elastic.core.tcpstore.wire import Query
 
 log = logging.getLogger(__name__)
 
-_RECV_SIZE = 256 * 1024
+# One round of the loop answers at most this much of a connection's pipelined requests,
+# so a client flooding requests delays the others by that much work (~ms), not more.
+_RECV_SIZE = 64 * 1024
 _OUT_HIGH_WATER = 4 * 1024 * 1024
-# Larger than any single field may be (8 MiB values), with room for a MULTI_SET of a few.
-_MAX_REQUEST = 64 * 1024 * 1024
 _INT64 = range(-(2**63), 2**63)
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "validated", "missing", "paused", "events")
+    __slots__ = ("sock", "peer", "parser", "outbuf", "validated", "missing", "paused", "events")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
-        self.inbuf = bytearray()
+        self.parser = wire.RequestParser()
         self.outbuf = bytearray()
         self.validated = False
         # The keys a parked WAIT still misses; None when no WAIT is parked.
         self.missing: set[bytes] | None = None
-        # Requests left unanswered in inbuf until its unread answers drain.
+        # Requests received are left unanswered until its unread answers drain.
         self.paused = False
         self.events = selectors.EVENT_READ  # as registered with the selector
 
@@ -166,31 +166,21 @@ class TCPStoreServer:
             raise _Drop(str(exc)) from None
         if not chunk:
             raise _Drop("closed by the client")
-        conn.inbuf += chunk
+        conn.parser.feed(chunk)
 
     def _process(self, conn: _Conn) -> None:
-        """Answer the whole requests buffered, but pause at the high-water mark of unread
+        """Answer the whole requests received, but pause at the high-water mark of unread
         answers: the rest is answered as those drain, one batch per loop round."""
-        consumed = 0
         try:
-            while consumed < len(conn.inbuf):
-                if len(conn.outbuf) >= _OUT_HIGH_WATER:
-                    conn.paused = True
+            while len(conn.outbuf) < _OUT_HIGH_WATER:
+                req = conn.parser.next()
+                if req is None:
+                    conn.paused = False
                     return
-                reader = wire.Reader(conn.inbuf, consumed)
-                try:
-                    req = wire.parse_request(reader)
-                except wire.Incomplete:
-                    if len(conn.inbuf) - consumed > _MAX_REQUEST:
-                        raise _Drop(f"a request over {_MAX_REQUEST} bytes") from None
-                    break
-                consumed = reader.pos
                 self._handle(conn, req)
-            conn.paused = False
         except wire.ProtocolError as exc:
             raise _Drop(str(exc)) from None
-        finally:
-            del conn.inbuf[:consumed]
+        conn.paused = conn.parser.buffered > 0
 
     def _send(self, conn: _Conn) -> None:
         if not conn.outbuf:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 VALIDATION_MAGIC = 0x3C85F7CE
 KEY_PREFIX = "/"
@@ -27,11 +28,16 @@ KEY_PREFIX = "/"
 MAX_KEY_LEN = 8 * 1024
 MAX_VALUE_LEN = 8 * 1024 * 1024
 MAX_KEY_COUNT = 128 * 1024
+# Ours alone: a cap on one whole request, which the limits above leave at terabytes (a
+# MULTI_SET of 128Ki 8 MiB values). Room for a MULTI_SET of a few full-size values.
+MAX_REQUEST_LEN = 64 * 1024 * 1024
 
 U8 = struct.Struct("<B")
 U32 = struct.Struct("<I")
 I64 = struct.Struct("<q")
 U64 = struct.Struct("<Q")
+
+T = TypeVar("T")
 
 
 class Query(enum.IntEnum):
@@ -60,10 +66,6 @@ STOP_WAITING, WAIT_CANCELED = 0, 1
 
 class ProtocolError(ValueError):
     """The bytes are not a valid request (unknown query, a length beyond the limits)."""
-
-
-class Incomplete(Exception):
-    """The buffer does not hold a whole request yet."""
 
 
 # --- encoding (both sides) -------------------------------------------------------------
@@ -104,60 +106,6 @@ def multi_set(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
 # --- decoding (the server) ---------------------------------------------------------------
 
 
-class Reader:
-    """Reads fields from the front of a buffer; ``Incomplete`` when it runs out, so the
-    caller can retry the whole request once more bytes arrived."""
-
-    def __init__(self, buf: bytes | bytearray, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-
-    def _take(self, fmt: struct.Struct) -> int:
-        end = self.pos + fmt.size
-        if end > len(self.buf):
-            raise Incomplete
-        (value,) = fmt.unpack_from(self.buf, self.pos)
-        self.pos = end
-        return int(value)
-
-    def u8(self) -> int:
-        return self._take(U8)
-
-    def u32(self) -> int:
-        return self._take(U32)
-
-    def i64(self) -> int:
-        return self._take(I64)
-
-    def count(self) -> int:
-        n = self._take(U64)
-        if n > MAX_KEY_COUNT:
-            raise ProtocolError(f"{n} keys in one request (max {MAX_KEY_COUNT})")
-        return n
-
-    def blob(self, limit: int) -> bytes:
-        # Check the declared length before waiting for it: a garbage length fails now
-        # instead of making the server buffer up to it.
-        n = self._take(U64)
-        if n > limit:
-            raise ProtocolError(f"a field of {n} bytes (max {limit})")
-        end = self.pos + n
-        if end > len(self.buf):
-            raise Incomplete
-        data = bytes(self.buf[self.pos : end])
-        self.pos = end
-        return data
-
-    def key(self) -> bytes:
-        return self.blob(MAX_KEY_LEN)
-
-    def value(self) -> bytes:
-        return self.blob(MAX_VALUE_LEN)
-
-    def keys(self) -> list[bytes]:
-        return [self.key() for _ in range(self.count())]
-
-
 @dataclass(frozen=True)
 class Request:
     """One parsed request; the fields its query does not have keep their defaults."""
@@ -171,26 +119,104 @@ class Request:
     pairs: tuple[tuple[bytes, bytes], ...] = ()  # MULTI_SET
 
 
-def parse_request(reader: Reader) -> Request:
-    """Parse one request, consuming it from ``reader``."""
-    code = reader.u8()
-    try:
-        query = Query(code)
-    except ValueError:
-        raise ProtocolError(f"unknown or unsupported query type {code}") from None
-    if query in (Query.VALIDATE, Query.PING):
-        return Request(query, number=reader.u32())
-    if query in (Query.GET, Query.DELETE_KEY):
-        return Request(query, key=reader.key())
-    if query is Query.SET:
-        return Request(query, key=reader.key(), value=reader.value())
-    if query is Query.COMPARE_SET:
-        return Request(query, key=reader.key(), value=reader.value(), desired=reader.value())
-    if query is Query.ADD:
-        return Request(query, key=reader.key(), number=reader.i64())
-    if query in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
-        return Request(query, keys=tuple(reader.keys()))
-    if query is Query.MULTI_SET:
-        pairs = tuple((reader.key(), reader.value()) for _ in range(reader.count()))
-        return Request(query, pairs=pairs)
-    return Request(query)  # GETNUMKEYS, CANCEL_WAIT: no fields
+Parsing = Generator[None, None, T]
+
+
+class RequestParser:
+    """Cuts a connection's byte stream into requests. Incremental: a request that
+    arrives in pieces is parsed where it stopped, never again from its start, so the
+    work is linear in the bytes however they are cut (re-parsing a large MULTI_SET on
+    every piece would be quadratic). A request over ``MAX_REQUEST_LEN`` is refused."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0  # what _buf holds before this is consumed
+        self._taken = 0  # bytes of the request being parsed consumed so far
+        self._pending: Parsing[Request] | None = None
+
+    def feed(self, data: bytes) -> None:
+        # Compacting here, once per read, rather than per request keeps many small
+        # requests in one read linear too.
+        del self._buf[: self._pos]
+        self._pos = 0
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet consumed."""
+        return len(self._buf) - self._pos
+
+    def next(self) -> Request | None:
+        """The next whole request, or ``None`` until more bytes are fed."""
+        if self._pending is None:
+            if not self.buffered:
+                return None
+            self._pending = self._request()
+            self._taken = 0
+        try:
+            next(self._pending)  # runs until it needs bytes not fed yet
+        except StopIteration as done:
+            self._pending = None
+            return done.value
+        return None
+
+    def _take(self, n: int) -> Parsing[bytes]:
+        if self._taken + n > MAX_REQUEST_LEN:
+            raise ProtocolError(f"a request over {MAX_REQUEST_LEN} bytes")
+        while self.buffered < n:
+            yield
+        data = bytes(self._buf[self._pos : self._pos + n])
+        self._pos += n
+        self._taken += n
+        return data
+
+    def _int(self, fmt: struct.Struct) -> Parsing[int]:
+        return int(fmt.unpack((yield from self._take(fmt.size)))[0])
+
+    def _blob(self, limit: int) -> Parsing[bytes]:
+        # The declared length is checked before waiting for it: a garbage length fails
+        # now instead of making the server buffer up to it.
+        n = yield from self._int(U64)
+        if n > limit:
+            raise ProtocolError(f"a field of {n} bytes (max {limit})")
+        return (yield from self._take(n))
+
+    def _count(self) -> Parsing[int]:
+        n = yield from self._int(U64)
+        if n > MAX_KEY_COUNT:
+            raise ProtocolError(f"{n} keys in one request (max {MAX_KEY_COUNT})")
+        return n
+
+    def _request(self) -> Parsing[Request]:
+        code = yield from self._int(U8)
+        try:
+            query = Query(code)
+        except ValueError:
+            raise ProtocolError(f"unknown or unsupported query type {code}") from None
+        if query in (Query.VALIDATE, Query.PING):
+            return Request(query, number=(yield from self._int(U32)))
+        if query in (Query.GET, Query.DELETE_KEY):
+            return Request(query, key=(yield from self._blob(MAX_KEY_LEN)))
+        if query is Query.SET:
+            key = yield from self._blob(MAX_KEY_LEN)
+            return Request(query, key=key, value=(yield from self._blob(MAX_VALUE_LEN)))
+        if query is Query.COMPARE_SET:
+            key = yield from self._blob(MAX_KEY_LEN)
+            expected = yield from self._blob(MAX_VALUE_LEN)
+            desired = yield from self._blob(MAX_VALUE_LEN)
+            return Request(query, key=key, value=expected, desired=desired)
+        if query is Query.ADD:
+            key = yield from self._blob(MAX_KEY_LEN)
+            return Request(query, key=key, number=(yield from self._int(I64)))
+        if query in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
+            keys = []
+            for _ in range((yield from self._count())):
+                keys.append((yield from self._blob(MAX_KEY_LEN)))
+            return Request(query, keys=tuple(keys))
+        if query is Query.MULTI_SET:
+            pairs = []
+            for _ in range((yield from self._count())):
+                key = yield from self._blob(MAX_KEY_LEN)
+                pairs.append((key, (yield from self._blob(MAX_VALUE_LEN))))
+            return Request(query, pairs=tuple(pairs))
+        return Request(query)  # GETNUMKEYS, CANCEL_WAIT: no fields
