@@ -76,7 +76,7 @@ class TCPStoreClient:
         try:
             self._sock = socket.create_connection((host, port), timeout=limit)
         except OSError as exc:
-            raise self._connection_error(exc, "cannot connect") from None
+            raise self._connection_error(exc, "cannot connect", limit) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # torch uses its pid as the nonce; any value does, as long as it comes back.
         nonce = os.getpid() & 0xFFFFFFFF
@@ -228,7 +228,9 @@ class TCPStoreClient:
             pass  # not connected any more: closing is all there is left to do
         self._sock.close()
 
-    def _connection_error(self, exc: BaseException, what: str) -> RendezvousConnectionError:
+    def _connection_error(
+        self, exc: BaseException, what: str, seconds: float | None = None
+    ) -> RendezvousConnectionError:
         if self._closed:
             return RendezvousConnectionError(f"TCPStore {self.where}: the client is closed")
         if isinstance(exc, _EOF):
@@ -237,7 +239,8 @@ class TCPStoreClient:
             )
         if isinstance(exc, TimeoutError):
             return RendezvousConnectionError(
-                f"TCPStore {self.where}: {what}: no answer in {self.timeout:.1f}s"
+                f"TCPStore {self.where}: {what}: no answer in "
+                f"{self.timeout if seconds is None else seconds:.1f}s"
             )
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         gone = isinstance(exc, OSError) and exc.errno in _GONE_ERRNOS
