@@ -359,7 +359,9 @@ def test_store_host_dying_raises_connection_errors_quickly(make: Make, port: int
             handlers[0].is_closed,
             handlers[0].next_rendezvous,
         ):
-            with pytest.raises(RendezvousConnectionError, match="hosting agent"):
+            with pytest.raises(
+                RendezvousConnectionError, match="agent hosting the c10d store is gone"
+            ):
                 call()
     finally:
         host.kill()

@@ -5,7 +5,7 @@ machine owns HOST hosts the store (bound to that address only); every other agen
 connects to it. ``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``) and
 ``C10D_KEYS`` below.
 
-Importing this package is cheap (no torch); ``create_handler`` imports torch.
+Neither importing this package nor running a handler imports torch.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from elastic.core import net
 from elastic.core.rendezvous import RendezvousConnectionError, RendezvousParameters
 from elastic.core.round.handler import RoundRendezvousHandler
 from elastic.core.round.settings import RoundSettings
+from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.plugins.rdzv_c10d.store import (
-    PrefixStore,
-    connect_store,
+    GONE_HINT,
     host_store,
     parse_endpoint,
     probe,
@@ -42,24 +42,24 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 "(not one of its addresses, or the port is taken)"
             )
         if sock is not None:
-            self._server = host_store(sock, self.host, self.port, settings.read_timeout)
+            self._server = host_store(sock)
             log.info("hosting the c10d rendezvous store on %s", where)
-            client = self._server  # the hosting TCPStore is also a client of itself
-        else:
-            if params.read_only:
-                probe(self.host, self.port)
-            client = connect_store(self.host, self.port, settings.read_timeout)
+        elif params.read_only:
+            probe(self.host, self.port)
         prefix = job_prefix(params.run_id)
+        agent_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
+        agent_conn.call("check", [prefix])  # connect now: fail early, and not inside a round
         monitor_store = None
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
-            monitor_client = connect_store(self.host, self.port, settings.read_timeout)
-            monitor_store = PrefixStore(monitor_client, prefix, where)
+            monitor_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
+            monitor_conn.call("check", [prefix])
+            monitor_store = PrefixStore(monitor_conn, prefix)
         super().__init__(
             params,
             settings,
             "c10d",
-            PrefixStore(client, prefix, where),
+            PrefixStore(agent_conn, prefix),
             monitor_store,
             params.local_addr or net.route_address(self.host, self.port),
         )
@@ -71,4 +71,5 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
     def after_shutdown(self) -> None:
         if self._server is not None:
             self.wait_for_members(self.settings.close_timeout)
-        self._server = None  # the last reference: the TCPStore server stops here
+            self._server.close()
+            self._server = None

@@ -101,23 +101,21 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.host = local_addr or socket.gethostname()
         self.node_id = f"{self.host}:{os.getpid()}:{next(_local_ids)}"
         self.prefix = f"{run_id}/"
-        self._tcp_store: Any = None  # the torch TCPStore; node 0's keeps the server alive
-        self._store: tcp.PrefixedTorchStore | None = None
+        self._server: tcp.TCPStoreServer | None = None  # node 0 hosts the store
+        self._store: tcp.PrefixStore | None = None
         self._round: int | None = None
         self._closed = False
         self.read_only = read_only  # made by `elastic status`: describe() only
 
     # -- connection ---------------------------------------------------------------
 
-    def _connect(self) -> tcp.PrefixedTorchStore:
+    def _connect(self) -> tcp.PrefixStore:
         if self._store is None:
             if self.rank == 0:
-                self._tcp_store = tcp.host_store(self.master_addr, self.master_port, self.timeout)
-            else:
-                self._tcp_store = tcp.connect_store(
-                    self.master_addr, self.master_port, self.timeout
-                )
-            self._store = tcp.PrefixedTorchStore(self._tcp_store, self.prefix, self.timeout)
+                self._server = tcp.host_store(self.master_port)
+            self._store = tcp.connect_store(
+                self.master_addr, self.master_port, self.timeout, self.prefix
+            )
             if self.rank == 0:  # lets `elastic status` show the size before a round forms
                 self._store.set(JOB, json.dumps({"world_size": self.world_size}))
         return self._store
@@ -303,6 +301,9 @@ class StaticRendezvousHandler(RendezvousHandler):
             log.debug("static rendezvous store already gone at shutdown: %s", exc)
             ok = self.rank != 0
         finally:
-            self._store = None
-            self._tcp_store = None
+            if self._store is not None:
+                self._store.close()
+            if self._server is not None:
+                self._server.close()
+            self._store, self._server = None, None
         return ok

@@ -11,12 +11,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from elastic.core.job_state import read_job_state
 from elastic.core.rendezvous import JobStatus, MemberStatus
 from elastic.core.store import Store
 from elastic.plugins.rdzv_static import store as tcp
 from elastic.plugins.rdzv_static.store import ARRIVALS, CLOSED, JOB, LATEST
 
-RESTARTS = "agent/restarts"  # the agent's job-wide restart counter
 FAILED = "agent/failed"
 DESCRIBE_TIMEOUT = 10.0  # seconds: status is interactive, don't wait the full rdzv timeout
 
@@ -35,8 +35,7 @@ def describe(
     *, run_id: str, master_addr: str, master_port: int, prefix: str, timeout: float
 ) -> JobStatus:
     limit = timedelta(seconds=min(timeout, DESCRIBE_TIMEOUT))
-    raw_store = tcp.connect_store(master_addr, master_port, limit)
-    store = tcp.PrefixedTorchStore(raw_store, prefix, limit)
+    store = tcp.connect_store(master_addr, master_port, limit, prefix)
     latest = _read(store, LATEST) or {}
     job = _read(store, JOB) or {}
     world_size = int(latest.get("world_size") or job.get("world_size") or 0)
@@ -63,6 +62,7 @@ def describe(
         state = "waiting"
     waiting = max(0, int(arrivals) - (round_ + 1) * world_size) if latest else int(arrivals)
     formed_at = latest.get("formed_at")
+    restarts_used, root_cause = read_job_state(store, run_id)
     return JobStatus(
         run_id=run_id,
         backend="static",
@@ -73,7 +73,8 @@ def describe(
         max_nodes=world_size,
         members=members,
         waiting=waiting,
-        restarts_used=int(_read(store, RESTARTS) or 0),
+        restarts_used=restarts_used,
+        root_cause=root_cause,
     )
 
 
