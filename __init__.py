@@ -2,7 +2,12 @@
 
 Importing ``elastic`` is cheap: the names below resolve lazily so that the CLI and the
 agent never pay for torch. ``elastic.record`` and the training helpers import what they
-need on first use.
+need on first use; nothing else here imports torch at all.
+
+torch's programmatic API is here under torch's names: ``LaunchConfig``,
+``elastic_launch``, ``launch_agent``, ``ChildFailedError``, ``WorkerSpec``,
+``LocalElasticAgent``, ``RendezvousParameters``, ``register_rendezvous_handler``,
+``get_rendezvous_handler``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,23 @@ _LAZY = {
     "train": "elastic.training.loop:train",
     "init_process_group": "elastic.training.dist:init_process_group",
     "put_metric": "elastic.core.metrics:put_metric",
+    # torch's programmatic API (torch.distributed.launcher.api and .elastic)
+    "LaunchConfig": "elastic.core.launcher:LaunchConfig",
+    "elastic_launch": "elastic.api:elastic_launch",
+    "launch_agent": "elastic.api:launch_agent",
+    "ChildFailedError": "elastic.api:ChildFailedError",
+    "WorkerSpec": "elastic.core.spec:WorkerSpec",
+    "LocalElasticAgent": "elastic.core.agent:LocalElasticAgent",
+    "RunResult": "elastic.core.spec:RunResult",
+    "WorkerState": "elastic.core.spec:WorkerState",
+    "RendezvousParameters": "elastic.core.rendezvous:RendezvousParameters",
+    "RendezvousHandler": "elastic.core.rendezvous:RendezvousHandler",
+    "RendezvousError": "elastic.core.rendezvous:RendezvousError",
+    "register_rendezvous_handler": "elastic.core.registry:register_rendezvous_handler",
+    "get_rendezvous_handler": "elastic.core.registry:get_rendezvous_handler",
+    # for plugins
+    "hookimpl": "elastic.core.hookspecs:hookimpl",
+    "ElasticConfig": "elastic.core.config:ElasticConfig",
 }
 
 

@@ -4,25 +4,39 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 import click
-from elastic.core import plugins
+from elastic.core.entry_points import GROUPS, HOOK_GROUP, PluginRecord, discover
+
+if TYPE_CHECKING:
+    from elastic.core.named_plugins import NamedPluginGroup
 
 
-def load_records(load: bool) -> list[plugins.PluginRecord]:
+def named_groups() -> dict[str, NamedPluginGroup[Any]]:
+    """The pick-by-name groups (importing their modules is cheap: no plugin, no torch)."""
+    from elastic.core.checkpoint import CHECKPOINTERS
+    from elastic.core.metrics import SINKS
+    from elastic.core.registry import BACKENDS
+
+    return {g.group: g for g in (BACKENDS, SINKS, CHECKPOINTERS)}
+
+
+def load_records(load: bool) -> list[PluginRecord]:
     """Every entry point; with ``load``, each imported once to report its status."""
-    host = plugins.plugin_host()
-    records: list[plugins.PluginRecord] = []
-    for group in plugins.GROUPS:
-        if group == plugins.HOOK_GROUP and load:
-            host.load()  # hook plugins are registered, so their hooks can be listed
+    if not load:
+        return discover()
+    from elastic.core.plugins import PluginHost
+
+    named = named_groups()
+    records: list[PluginRecord] = []
+    for group in GROUPS:
+        if group == HOOK_GROUP:
+            host = PluginHost()  # hook plugins are registered, so their hooks can be listed
+            host.load()
             records.extend(host.records)
-            continue
-        for ep in plugins.entry_points(group):
-            record = plugins.describe(ep, group)
-            if load:
-                plugins.try_load(ep, record)
-            records.append(record)
+        else:
+            records.extend(named[group].records(load=True))
     return records
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from elastic.cli.options import (
@@ -19,8 +19,12 @@ from elastic.cli.options import (
     parse_signals,
     parse_std,
 )
+from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
 from elastic.core.fingerprint import node_fingerprint, parse_allowed
 from elastic.core.launcher import DEFAULT_SIGNALS, LaunchConfig, python_exec, run_script_path
+
+if TYPE_CHECKING:
+    from elastic.core.registry import HandlerFactory
 
 log = logging.getLogger("elastic")
 
@@ -43,23 +47,6 @@ def std_map(value: str, option: str, nproc: int) -> dict[int, int]:
     except click.BadParameter as exc:
         raise bad(option, exc.message) from None
     return {rank: parsed for rank in range(nproc)} if isinstance(parsed, int) else parsed
-
-
-def check_plugin_names(opts: dict[str, Any]) -> None:
-    """Unknown sink or checkpointer names fail before anything starts (metadata only)."""
-    from elastic.core.checkpoint import validate_checkpoint_spec
-    from elastic.core.metrics import validate_sink_names
-
-    try:
-        if opts["metrics_sink"]:
-            validate_sink_names(opts["metrics_sink"])
-    except ValueError as exc:
-        raise bad("--metrics-sink", str(exc)) from None
-    try:
-        if opts["checkpoint"]:
-            validate_checkpoint_spec(opts["checkpoint"])
-    except ValueError as exc:
-        raise bad("--checkpoint", str(exc)) from None
 
 
 def split_filters(value: str) -> tuple[str, ...]:
@@ -119,7 +106,11 @@ def check_script(opts: dict[str, Any]) -> None:
         raise bad("training_script", f"{script!r} does not exist; give the path of a Python script")
 
 
-def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ...]]:
+def build_config(
+    opts: dict[str, Any], plugin_options: dict[str, Any] | None = None
+) -> tuple[LaunchConfig, Any, tuple[str, ...], HandlerFactory | None]:
+    """The launch, its entrypoint and arguments, and the backend's factory (resolved once
+    here, so a bad name fails before anything starts, and reused by the launcher)."""
     try:
         min_nodes, max_nodes = parse_nnodes(opts["nnodes"])
     except click.BadParameter as exc:
@@ -133,11 +124,12 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
     if opts["monitor_interval"] <= 0:
         raise bad("--monitor-interval", "expected a positive number of seconds")
     standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
+    factory = None
     if not standalone:
         from elastic.core.registry import BackendNotFoundError, get_backend_factory
 
         try:
-            get_backend_factory(backend)  # fail on a bad name before anything starts
+            factory = get_backend_factory(backend)
         except BackendNotFoundError as exc:
             raise bad("--rdzv-backend", str(exc)) from None
     check_script(opts)
@@ -160,7 +152,6 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         max_restarts=opts["max_restarts"],
     )
 
-    check_plugin_names(opts)
     if opts["logs_specs"] not in (None, "", "default"):
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
     if opts["numa_binding"]:
@@ -170,8 +161,6 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         log.warning(OMP_WARNING)
         extra_env["OMP_NUM_THREADS"] = "1"
-    if opts["checkpoint"]:
-        extra_env["ELASTIC_CHECKPOINT"] = opts["checkpoint"]
     shutdown_timeout = opts["shutdown_timeout"]
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
@@ -203,18 +192,14 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
         virtual_local_rank=opts["virtual_local_rank"],
         duplicate_stdout_filters=split_filters(opts["duplicate_stdout_filters"]),
         duplicate_stderr_filters=split_filters(opts["duplicate_stderr_filters"]),
-        settings={
-            "event_log_handler": opts["event_log_handler"],
-            "error_summary": opts["error_summary"],
-            "metrics_sink": opts["metrics_sink"],
-            "checkpoint": opts["checkpoint"],
-        },
+        plugin_options=dict(plugin_options or {}),
     )
-    return config, entrypoint, args
+    return config, entrypoint, args, factory
 
 
 @click.command(
     "run",
+    cls=RunCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Start this node's agent and its workers (torchrun's flags).",
 )
@@ -284,31 +269,27 @@ def build_config(opts: dict[str, Any]) -> tuple[LaunchConfig, Any, tuple[str, ..
     default="",
     help="Copy matching stderr lines to a file.",
 )
-@flag(
-    "--event-log-handler", type=click.Choice(["null", "console"]), default="null", show_default=True
-)
 @flag("--logs-specs", default=None, help="Only the default log layout is provided.")
 @flag("--numa-binding", default=None, help="Not provided; rejected with an error.")
-@flag("--error-summary", default=None, help="Write the failure summary as JSON to this path.")
-@flag(
-    "--metrics-sink", default=None, help="Metrics sinks, NAME[,NAME] (console, jsonl, prometheus)."
-)
-@flag("--checkpoint", default=None, help="Checkpointer for the State API, e.g. fs:DIR.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
-def run_command(**opts: Any) -> None:
+@click.pass_context
+def run_command(ctx: click.Context, **opts: Any) -> None:
     """Run TRAINING_SCRIPT on this node with torchrun's semantics.
 
     Start the same command on every node; the agents rendezvous, each gets a node rank and
     starts --nproc-per-node workers with torchrun's environment (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR, ...).
+    WORLD_SIZE, MASTER_ADDR, ...). Installed plugins add their own options (listed below
+    under each plugin's name).
     """
-    config, entrypoint, args = build_config(opts)
+    config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
     from elastic.core.launcher import launch
     from elastic.core.rendezvous import RendezvousConfigError, RendezvousError
 
     try:
-        result = launch(config, entrypoint, args)
+        result = launch(
+            config, entrypoint, args, plugin_host=plugin_host(ctx), handler_factory=factory
+        )
     except RendezvousConfigError as exc:
         raise click.UsageError(str(exc)) from None
     except RendezvousError as exc:

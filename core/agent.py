@@ -18,9 +18,11 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from typing import Any
 
 from elastic.core import failures as fail
+from elastic.core.config import ElasticConfig
 from elastic.core.job_state import (
     CLAIM_KEY,
     FAILED_KEY,
@@ -31,6 +33,7 @@ from elastic.core.job_state import (
     report_failure,
     store_call,
 )
+from elastic.core.local_rendezvous import LocalRendezvousHandler
 from elastic.core.logs import (
     LogLayout,
     LogTailer,
@@ -92,16 +95,18 @@ class LocalElasticAgent(ElasticAgent):
         spec: WorkerSpec,
         *,
         plugin_host: PluginHost | None = None,
-        settings: dict[str, Any] | None = None,
+        config: ElasticConfig | None = None,
         signals_to_handle: tuple[str, ...] | list[str] = DEFAULT_SIGNALS,
         log_dir_suffix: str | None = None,
+        exit_barrier_timeout: float = 300.0,
     ) -> None:
-        if spec.rdzv_handler is None:
-            raise ValueError("WorkerSpec.rdzv_handler is required")
+        if spec.rdzv_handler is None:  # torch's standalone: one node, no server
+            spec.rdzv_handler = LocalRendezvousHandler(str(uuid.uuid4()), spec.local_addr)
         self._spec = spec
         self._handler: RendezvousHandler = spec.rdzv_handler
-        self._host = plugin_host
-        self._settings = dict(settings or {})
+        self._host = plugin_host  # None: no hook plugins
+        self._config = config or ElasticConfig.from_spec(spec, self._handler)
+        self._exit_barrier_timeout = exit_barrier_timeout
         self._signals = tuple(signals_to_handle)
         self._guard = SignalGuard(self._signals)
         self._suffix = log_dir_suffix
@@ -127,7 +132,9 @@ class LocalElasticAgent(ElasticAgent):
 
     def run(self) -> RunResult:
         started = time.monotonic()
-        self._notify("elastic_agent_start", spec=self._spec, settings=self._settings)
+        self._notify("elastic_agent_start", spec=self._spec, config=self._config)
+        if self._host is not None:  # plugins' variables never override the launch's own
+            self._spec.extra_env = {**self._host.worker_env(self._config), **self._spec.extra_env}
         self._guard.install()
         try:
             try:
@@ -324,7 +331,7 @@ class LocalElasticAgent(ElasticAgent):
     def _succeeded(self, info: RendezvousInfo) -> RunResult | None:
         values = {w.local_rank: w.return_value() for w in self._workers}
         self._stop(signal.SIGTERM, 0)  # nothing left running in their groups
-        timeout = float(self._settings.get("exit_barrier_timeout", 300.0))
+        timeout = self._exit_barrier_timeout
         with self._guard.waiting():
             barrier = exit_barrier(
                 info.store, info.round, info.world_size, timeout, self._handler.lost_nodes

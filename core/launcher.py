@@ -9,10 +9,15 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.spec import RunResult, WorkerSpec
+
+if TYPE_CHECKING:
+    from elastic.core.agent import LocalElasticAgent
+    from elastic.core.plugins import PluginHost
+    from elastic.core.registry import HandlerFactory
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
@@ -34,8 +39,8 @@ class LaunchConfig:
     monitor_interval: float = 0.1
     start_method: str = "spawn"
     log_dir: str | None = None
-    redirects: dict[int, int] = field(default_factory=dict)
-    tee: dict[int, int] = field(default_factory=dict)
+    redirects: int | dict[int, int] = field(default_factory=dict)  # one Std value or per rank
+    tee: int | dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
     local_addr: str | None = None
     node_rank: int | None = None  # --node-rank: static's rank, a dynamic backend's hint
@@ -47,7 +52,8 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
-    settings: dict[str, object] = field(default_factory=dict)  # for elastic_agent_start
+    rdzv_timeout: int = -1  # torch's field: seconds a rendezvous may take (-1: the backend's)
+    plugin_options: dict[str, Any] = field(default_factory=dict)  # by dest, see elastic_addoption
 
 
 def run_script_path(script: str, *args: str) -> None:
@@ -56,14 +62,21 @@ def run_script_path(script: str, *args: str) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def create_handler(config: LaunchConfig) -> RendezvousHandler:
-    """The rendezvous for this launch; a single node without a server needs no plugin."""
+def create_handler(
+    config: LaunchConfig, factory: HandlerFactory | None = None
+) -> RendezvousHandler:
+    """The rendezvous for this launch; a single node without a server needs no plugin.
+
+    ``factory`` is the backend the caller already resolved (``elastic run`` checks the
+    name before anything starts), so a launch looks its backend up once."""
     if config.standalone:
         from elastic.core.local_rendezvous import LocalRendezvousHandler
 
         return LocalRendezvousHandler(run_id=config.run_id, local_addr=config.local_addr)
-    from elastic.core.registry import get_rendezvous_handler
+    if factory is None:
+        from elastic.core.registry import get_backend_factory
 
+        factory = get_backend_factory(config.rdzv_backend)
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -76,7 +89,7 @@ def create_handler(config: LaunchConfig) -> RendezvousHandler:
         allow_mismatch=config.allow_mismatch,
         node_rank=config.node_rank,
     )
-    return get_rendezvous_handler(params)
+    return factory(params)
 
 
 def make_spec(
@@ -93,8 +106,8 @@ def make_spec(
         rdzv_handler=handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
-        redirects=dict(config.redirects),
-        tee=dict(config.tee),
+        redirects=per_local_rank(config.redirects, config.nproc_per_node),
+        tee=per_local_rank(config.tee, config.nproc_per_node),
         local_ranks_filter=config.local_ranks_filter,
         log_dir=config.log_dir,
         local_addr=config.local_addr,
@@ -107,22 +120,71 @@ def make_spec(
     )
 
 
-def launch(
-    config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[str, ...] = ()
-) -> RunResult:
-    """Rendezvous, run this node's workers to completion and return the result."""
-    from elastic.core.agent import LocalElasticAgent
-    from elastic.core.plugins import plugin_host
+def per_local_rank(value: int | dict[int, int], nproc: int) -> dict[int, int]:
+    """``--redirects``/``--tee``: one value for every local rank (torch's ``Std``) or a map."""
+    return {rank: int(value) for rank in range(nproc)} if isinstance(value, int) else dict(value)
 
+
+def plugin_option_values(host: PluginHost, given: dict[str, Any]) -> dict[str, Any]:
+    """Every plugin option's value: ``given`` (checked and converted) over the defaults.
+
+    A name no installed plugin declares is a ValueError listing the known ones."""
+    from elastic.core.plugin_options import PluginOptionParser
+
+    options = {o.dest: o for o in host.add_options(PluginOptionParser())}
+    unknown = sorted(set(given) - set(options))
+    if unknown:
+        known = ", ".join(sorted(options)) or "none"
+        raise ValueError(f"unknown plugin option(s) {', '.join(unknown)}; known: {known}")
+    values = {dest: option.default for dest, option in options.items()}
+    for dest, value in given.items():
+        try:
+            values[dest] = options[dest].parse(value)
+        except ValueError as exc:
+            raise ValueError(f"plugin option {dest}: {exc}") from None
+    return values
+
+
+def create_agent(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    plugin_host: PluginHost | None = None,
+    handler_factory: HandlerFactory | None = None,
+) -> LocalElasticAgent:
+    """The agent for this node: its rendezvous, worker spec, plugins and their config.
+
+    ``plugin_host`` defaults to one with the installed hook plugins."""
+    from elastic.core.agent import LocalElasticAgent
+    from elastic.core.config import ElasticConfig
+    from elastic.core.plugins import PluginHost
+
+    host = plugin_host if plugin_host is not None else PluginHost()
+    options = plugin_option_values(host, config.plugin_options)
     if config.standalone and config.run_id == "none":
         config.run_id = str(uuid.uuid4())
-    handler = create_handler(config)
+    handler = create_handler(config, handler_factory)
     spec = make_spec(config, entrypoint, args, handler)
-    agent = LocalElasticAgent(
+    return LocalElasticAgent(
         spec,
-        plugin_host=plugin_host(),
-        settings=dict(config.settings),
+        plugin_host=host,
+        config=ElasticConfig.from_launch_config(config, options),
         signals_to_handle=config.signals_to_handle,
+    )
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    plugin_host: PluginHost | None = None,
+    handler_factory: HandlerFactory | None = None,
+) -> RunResult:
+    """Rendezvous, run this node's workers to completion and return the result."""
+    agent = create_agent(
+        config, entrypoint, args, plugin_host=plugin_host, handler_factory=handler_factory
     )
     return agent.run()
 

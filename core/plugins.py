@@ -1,80 +1,41 @@
-"""Discovery and loading of entry-point plugins, and the pluggy manager that calls them.
+"""The hook plugins (``elastic.plugins``): loaded into pluggy, called with pluggy's rules.
 
-Reading entry-point metadata is cheap; importing plugin modules is not, so listing
-(``discover``) never imports and loading happens once, on first use. One plugin that
-fails to import is recorded and skipped: it never breaks the CLI or the other plugins.
+One ``PluginHost`` per agent (and one per ``elastic run`` command line). Loading reads
+the group's metadata, honours ``ELASTIC_DISABLE_PLUGIN_AUTOLOAD=1`` / ``ELASTIC_PLUGINS``,
+imports each allowed plugin once and instantiates it if it is a class, so every agent
+gets its own plugin objects. A plugin that fails to import, that two distributions
+claim, or whose hookimpls match no hookspec is recorded (``elastic plugins list``) and
+skipped: it never breaks the CLI or the other plugins.
+
+Calls go through pluggy's own hook callers (ordering, ``tryfirst``/``trylast``, both
+kinds of wrappers); isolation of non-strict hooks is ``elastic.core.hook_isolation``'s.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
-import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import pluggy
 from elastic.core import hookspecs
+from elastic.core.config import ElasticConfig
+from elastic.core.entry_points import (
+    GROUPS,
+    HOOK_GROUP,
+    PluginRecord,
+    conflict_message,
+    describe,
+    entry_points,
+    format_exception,
+)
+from elastic.core.hook_isolation import GuardedPlugin
+from elastic.core.hook_trace import TRACE_ENV, tracer
+from elastic.core.plugin_options import PluginOption, PluginOptionParser
 
-log = logging.getLogger(__name__)
-
-GROUPS = ("elastic.rendezvous", "elastic.plugins", "elastic.metrics", "elastic.checkpoint")
-HOOK_GROUP = "elastic.plugins"
-
-
-@dataclass
-class PluginRecord:
-    """One entry point and what happened when it was loaded."""
-
-    group: str
-    name: str
-    target: str
-    distribution: str
-    version: str
-    status: str = "not loaded"  # "ok", "error", "disabled" or "not loaded"
-    error: str | None = None
-    hooks: list[str] = field(default_factory=list)
-
-    @property
-    def origin(self) -> str:
-        return f"{self.distribution}=={self.version} ({self.target})"
-
-
-def entry_points(group: str) -> list[md.EntryPoint]:
-    return sorted(md.entry_points(group=group), key=lambda ep: ep.name)
-
-
-def describe(ep: md.EntryPoint, group: str) -> PluginRecord:
-    dist = ep.dist
-    return PluginRecord(
-        group=group,
-        name=ep.name,
-        target=ep.value,
-        distribution=dist.metadata["Name"] if dist is not None else "?",
-        version=dist.version if dist is not None else "?",
-    )
-
-
-def discover(groups: tuple[str, ...] = GROUPS) -> list[PluginRecord]:
-    """Every entry point in ``groups``, from metadata only (nothing is imported)."""
-    return [describe(ep, group) for group in groups for ep in entry_points(group)]
-
-
-def format_exception(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def try_load(ep: md.EntryPoint, record: PluginRecord) -> Any:
-    """Import ``ep``; on failure mark ``record`` broken and return None."""
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a broken plugin must never break the launcher
-        record.status, record.error = "error", format_exception(exc)
-        return None
-    record.status = "ok"
-    return obj
+__all__ = ["GROUPS", "HOOK_GROUP", "PluginHost", "PluginRecord", "hook_plugin_allowed"]
 
 
 def hook_plugin_allowed(name: str) -> bool:
@@ -85,84 +46,146 @@ def hook_plugin_allowed(name: str) -> bool:
     return not allowlist or name in allowlist
 
 
-class PluginHost:
-    """Loads the ``elastic.plugins`` group into a pluggy manager and calls hooks.
+def _say(message: str) -> None:
+    print(f"elastic: {message}", file=sys.stderr, flush=True)
 
-    ``notify`` isolates implementations (a raising one is reported once and dropped);
-    ``call_strict`` lets exceptions through for hooks the user depends on.
+
+class PluginHost:
+    """A pluggy manager with ``elastic.core.hookspecs`` and the installed hook plugins.
+
+    ``autoload=False`` loads installed plugins only when ``load`` is called explicitly
+    (the testing fixtures use it to run with chosen plugins only); ``trace`` defaults to
+    ``ELASTIC_TRACE_PLUGINS``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, autoload: bool = True, trace: bool | None = None) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.records: list[PluginRecord] = []
-        self._loaded = False
-        self._lock = threading.Lock()
+        self._objects: dict[str, object] = {}  # name -> the plugin object itself
+        self._record_of: dict[str, PluginRecord] = {}
+        self._loaded = not autoload
+        self._lock = threading.RLock()
+        if trace is None:
+            trace = os.environ.get(TRACE_ENV, "") not in {"", "0"}
+        if trace:
+            self.pm.add_hookcall_monitoring(*tracer())
 
-    def load(self) -> None:
+    # --- loading --------------------------------------------------------------------------
+    def load(self, names: Collection[str] | None = None) -> None:
+        """Load the installed hook plugins (only ``names``, if given) once."""
         with self._lock:
-            if self._loaded:
+            if self._loaded and names is None:
                 return
             self._loaded = True
-            for ep in entry_points(HOOK_GROUP):
+            found = entry_points(HOOK_GROUP)
+            for ep in found:
+                if names is not None and ep.name not in names:
+                    continue
+                if any(r.name == ep.name and r.target == ep.value for r in self.records):
+                    continue
                 record = describe(ep, HOOK_GROUP)
                 self.records.append(record)
-                if not hook_plugin_allowed(ep.name):
+                claims = [describe(e, HOOK_GROUP) for e in found if e.name == ep.name]
+                if len(claims) > 1:
+                    message = conflict_message("hook plugin", ep.name, claims)
+                    record.failed(message + "; neither is loaded")
+                    if record.origin == max(c.origin for c in claims):  # say it once
+                        _say(record.error or message)
+                    continue
+                if names is None and not hook_plugin_allowed(ep.name):
                     record.status = "disabled"
                     continue
-                obj = try_load(ep, record)
-                if obj is not None:
-                    self.register(obj, ep.name, record)
+                try:
+                    obj = ep.load()
+                    if isinstance(obj, type):  # a class: one instance per host (per agent)
+                        obj = obj()
+                except Exception as exc:  # a broken plugin must never break the launcher
+                    record.failed(format_exception(exc))
+                    continue
+                self.register(obj, ep.name, record)
 
     def register(self, plugin: object, name: str, record: PluginRecord | None = None) -> None:
-        if self.pm.has_plugin(name):
-            previous = self.pm.get_plugin(name)
-            if previous is plugin:
-                return
-            message = f"plugin name {name!r} is registered twice; the second is ignored"
-            if record is not None:
-                record.status, record.error = "error", message
-            log.warning(message)
-            return
-        try:
-            self.pm.register(plugin, name=name)
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            if self.pm.is_registered(plugin):
-                self.pm.unregister(plugin)
+        """Register ``plugin`` (a module or an object with hookimpl methods) as ``name``.
+
+        Without a ``record`` (in-process registration) a hookimpl that matches no
+        hookspec raises ``pluggy.PluginValidationError``; with one it is recorded."""
+        with self._lock:
             if record is None:
-                raise
-            record.status, record.error = "error", format_exception(exc)
-            return
-        if record is not None:
-            record.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
-
-    def notify(self, hook_name: str, **kwargs: Any) -> None:
-        self.load()
-        caller = getattr(self.pm.hook, hook_name)
-        for impl in caller.get_hookimpls():
+                record = PluginRecord(HOOK_GROUP, name, repr(plugin), "(in-process)", "")
+            if self.pm.has_plugin(name):
+                if self._objects.get(name) is plugin:
+                    return
+                record.failed(f"a hook plugin named {name!r} is already registered")
+                _say(f"{record.error}; {record.origin} is ignored")
+                return
+            guarded = GuardedPlugin(plugin, name, self.pm, hookspecs.STRICT_HOOKS, self._drop)
             try:
-                impl.function(*[kwargs[arg] for arg in impl.argnames])
-            except Exception as exc:
-                print(
-                    f"elastic: plugin {impl.plugin_name!r} failed in {hook_name} "
-                    f"({format_exception(exc)}); it is disabled for the rest of this run",
-                    file=sys.stderr,
-                )
-                if self.pm.is_registered(impl.plugin):
-                    self.pm.unregister(impl.plugin)
+                self.pm.register(guarded, name=name)
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                if self.pm.is_registered(guarded):
+                    self.pm.unregister(guarded)
+                if record.distribution == "(in-process)":
+                    raise
+                record.failed(format_exception(exc))
+                return
+            record.status = "ok"
+            record.hooks = sorted(h.name for h in self.pm.get_hookcallers(guarded) or [])
+            self._objects[name] = plugin
+            self._record_of[name] = record
+            if record not in self.records:
+                self.records.append(record)
 
-    def call_strict(self, hook_name: str, **kwargs: Any) -> list[Any]:
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            self._objects.pop(name, None)
+
+    def get_plugin(self, name: str) -> object | None:
+        """The plugin object registered as ``name`` (the instance, for a class)."""
+        return self._objects.get(name)
+
+    def plugin_names(self) -> list[str]:
+        return sorted(self._objects)
+
+    def _drop(self, plugin: str, hook: str, exc: Exception) -> None:
+        """An isolated hookimpl raised: report once, unregister its plugin."""
+        with self._lock:
+            if plugin not in self._objects:
+                return  # already dropped (e.g. its wrapper failed too)
+            message = f"failed in {hook} ({format_exception(exc)})"
+            _say(f"plugin {plugin!r} {message}; it is disabled for the rest of this run")
+            record = self._record_of.get(plugin)
+            if record is not None:
+                record.failed(message)
+            self.unregister(plugin)
+
+    # --- calling --------------------------------------------------------------------------
+    def call(self, hook_name: str, **kwargs: Any) -> list[Any]:
+        """Call a hook through pluggy; the list of non-None results in call order."""
         self.load()
-        return getattr(self.pm.hook, hook_name)(**kwargs)
+        result = getattr(self.pm.hook, hook_name)(**kwargs)
+        return list(result or [])
 
+    # The agent's names for ``call``: which hooks are isolated is the hookspecs' decision.
+    notify = call
+    call_strict = call
 
-_host: PluginHost | None = None
+    def add_options(self, parser: PluginOptionParser) -> list[PluginOption]:
+        """Let every plugin add its options; those of plugins that failed are left out."""
+        self.call("elastic_addoption", parser=parser)
+        return parser.for_plugins(self.pm.has_plugin)
 
+    def option_defaults(self) -> dict[str, Any]:
+        """Every plugin option's default, by dest (for launches that skip the CLI)."""
+        return {o.dest: o.default for o in self.add_options(PluginOptionParser())}
 
-def plugin_host() -> PluginHost:
-    """The process-wide plugin host (created on first use)."""
-    global _host
-    if _host is None:
-        _host = PluginHost()
-    return _host
+    def worker_env(self, config: ElasticConfig) -> dict[str, str]:
+        """The merged answers of ``elastic_worker_env``; the first plugin called wins."""
+        merged: dict[str, str] = {}
+        for env in reversed(self.call("elastic_worker_env", config=config)):
+            if isinstance(env, Mapping):
+                merged.update({str(k): str(v) for k, v in env.items()})
+        return merged

@@ -8,11 +8,15 @@ registry that picks one lives in ``elastic.core.registry``.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from elastic.core.store import Store
+
+_P = TypeVar("_P")
 
 
 class RendezvousError(Exception):
@@ -67,6 +71,23 @@ class StatusNotSupportedError(RendezvousError):
     """The backend cannot describe a job (``RendezvousHandler.describe``)."""
 
 
+def _config_keywords(cls: type[_P]) -> type[_P]:
+    """torch's spelling: keyword arguments that are not fields become ``config`` values."""
+    init = cls.__init__
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        extra = {key: kwargs.pop(key) for key in list(kwargs) if key not in names}
+        if extra:
+            kwargs["config"] = {**dict(kwargs.get("config") or {}), **extra}
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_config_keywords
 @dataclass
 class RendezvousParameters:
     """What the launcher knows about the rendezvous it asks a backend to run.
@@ -77,6 +98,9 @@ class RendezvousParameters:
     refuse a node whose fingerprint differs from the job's in a field not named in
     ``allow_mismatch`` (see ``elastic.core.fingerprint``). ``read_only`` handlers (made by
     ``elastic status``) must never join, write, or host a store: they only ``describe``.
+
+    As in torch, keyword arguments that are not fields are config values, strings or
+    not: ``RendezvousParameters("c10d", "h:29400", "job", 1, 2, join_timeout="600")``.
     """
 
     backend: str
@@ -85,7 +109,7 @@ class RendezvousParameters:
     min_nodes: int
     max_nodes: int
     local_addr: str | None = None
-    config: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
     allow_mismatch: frozenset[str] = frozenset()
     read_only: bool = False
@@ -103,7 +127,7 @@ class RendezvousParameters:
                 f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
             )
 
-    def get(self, key: str, default: str | None = None) -> str | None:
+    def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
 
     def get_as_int(self, key: str, default: int | None = None) -> int | None:
@@ -112,7 +136,7 @@ class RendezvousParameters:
             return default
         try:
             return int(value)
-        except ValueError:
+        except (TypeError, ValueError):
             raise RendezvousConfigError(f"--rdzv-conf {key}={value!r} is not an integer") from None
 
     def get_as_float(self, key: str, default: float | None = None) -> float | None:
@@ -121,14 +145,16 @@ class RendezvousParameters:
             return default
         try:
             return float(value)
-        except ValueError:
+        except (TypeError, ValueError):
             raise RendezvousConfigError(f"--rdzv-conf {key}={value!r} is not a number") from None
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
         value = self.config.get(key)
         if value is None:
             return default
-        lowered = value.strip().lower()
+        if isinstance(value, bool):
+            return value
+        lowered = str(value).strip().lower()
         if lowered in {"1", "true", "t", "yes", "y"}:
             return True
         if lowered in {"0", "false", "f", "no", "n"}:

@@ -14,6 +14,7 @@ import pytest
 from conftest import make_spec, pid_alive
 from conftest import write_script as script
 from elastic.core.agent import LocalElasticAgent
+from elastic.core.config import ElasticConfig
 from elastic.core.hookspecs import hookimpl
 from elastic.core.job_state import FAILED_KEY, RESTARTS_KEY
 from elastic.core.local_rendezvous import LocalRendezvousHandler
@@ -326,8 +327,8 @@ class Recorder:
         self.calls: list[tuple[str, Any]] = []
 
     @hookimpl
-    def elastic_agent_start(self, spec: WorkerSpec, settings: dict[str, object]) -> None:
-        self.calls.append(("start", settings))
+    def elastic_agent_start(self, spec: WorkerSpec, config: ElasticConfig) -> None:
+        self.calls.append(("start", dict(config.plugin_options)))
 
     @hookimpl
     def elastic_rendezvous_complete(self, info: RendezvousInfo, duration: float) -> None:
@@ -367,7 +368,7 @@ def test_hooks(
     agent = LocalElasticAgent(
         make_spec(handler, ("-u", flaky, str(tmp_path), "exit", "99"), 2, max_restarts=1),
         plugin_host=host,
-        settings={"k": "v"},
+        config=ElasticConfig(plugin_options={"k": "v"}),
     )
     result = agent.run()
     assert result.exit_code == 3

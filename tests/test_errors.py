@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from elastic.core.config import ElasticConfig
 from elastic.core.failures import FailureRecord, summarize
 from elastic.core.plugins import PluginHost
 from elastic.core.spec import WorkerSpec
@@ -106,7 +107,8 @@ def test_hooks_through_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture
     host = host_with_errors_plugin()
     out = tmp_path / "deep" / "summary.json"
     spec = WorkerSpec(role="trainer", local_world_size=2, entrypoint="python")
-    host.notify("elastic_agent_start", spec=spec, settings={"error_summary": str(out)})
+    config = ElasticConfig(plugin_options={"error_summary": str(out)})
+    host.notify("elastic_agent_start", spec=spec, config=config)
     recs = failures()
     summary = summarize("job-7", recs)
     host.call_strict("elastic_run_failed", summary=summary)
@@ -122,7 +124,7 @@ def test_hooks_through_entry_point(tmp_path: Path, capsys: pytest.CaptureFixture
     assert os.listdir(out.parent) == ["summary.json"]  # no temp file left behind
 
     # without --error-summary nothing is written
-    host.notify("elastic_agent_start", spec=spec, settings={})
+    host.notify("elastic_agent_start", spec=spec, config=ElasticConfig())
     host.call_strict("elastic_run_failed", summary=summary)
     assert "written to" not in capsys.readouterr().err
 

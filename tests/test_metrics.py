@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import make_distribution as make_dist
 from elastic.core import metrics
+from elastic.core.config import ElasticConfig
 from elastic.core.metrics import MetricData, configure_sinks, put_metric, timed
 
 
@@ -248,14 +249,17 @@ def test_events_plugin_through_plugin_host(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("ELASTIC_METRICS_DIR", str(tmp_path))
     host = PluginHost()
     spec = WorkerSpec(role="trainer", local_world_size=2, entrypoint="train.py")
-    host.notify("elastic_agent_start", spec=spec, settings={"metrics_sink": "jsonl,prometheus"})
+    config = ElasticConfig(plugin_options={"metrics_sink": "jsonl,prometheus"})
+    host.notify("elastic_agent_start", spec=spec, config=config)
     record = next(r for r in host.records if r.name == "metrics")
     assert record.status == "ok", record.error
 
     # Workers get explicit absolute paths, so their cwd and env do not matter.
-    assert spec.extra_env["ELASTIC_METRICS_SINK"] == (
-        f"jsonl:{tmp_path / 'metrics.jsonl'},prometheus:{tmp_path / 'metrics.prom'}"
-    )
+    assert host.worker_env(config) == {
+        "ELASTIC_METRICS_SINK": (
+            f"jsonl:{tmp_path / 'metrics.jsonl'},prometheus:{tmp_path / 'metrics.prom'}"
+        )
+    }
     info = RendezvousInfo(store=None, rank=0, world_size=2, master_addr="h", master_port=1, round=3)  # type: ignore[arg-type]
     group = WorkerGroup(spec=spec, restart_count=1)
     failure = FailureRecord(
@@ -293,9 +297,33 @@ def test_events_plugin_without_sink_sets_nothing() -> None:
     from elastic.plugins.metrics import events
 
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="train.py")
-    events.elastic_agent_start(spec, {"metrics_sink": None})
-    assert "ELASTIC_METRICS_SINK" not in spec.extra_env
-    assert metrics.sink_manager().sinks == []
+    plugin = events.MetricsPlugin()
+    plugin.elastic_agent_start(spec, ElasticConfig(plugin_options={"metrics_sink": None}))
+    assert plugin.elastic_worker_env(ElasticConfig()) is None
+    assert plugin.sinks.sinks == []
+    assert metrics.sink_manager().sinks == []  # the process-wide sinks are not touched
+
+
+def test_two_agents_have_their_own_metrics_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic.core.plugins import PluginHost
+    from elastic.core.spec import WorkerSpec
+
+    monkeypatch.setenv("ELASTIC_PLUGINS", "metrics")
+    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="train.py")
+    hosts = [PluginHost(), PluginHost()]
+    for i, host in enumerate(hosts):
+        config = ElasticConfig(plugin_options={"metrics_sink": f"jsonl:{tmp_path / f'{i}.jsonl'}"})
+        host.notify("elastic_agent_start", spec=spec, config=config)
+    first, second = (host.get_plugin("metrics") for host in hosts)
+    assert first is not second
+    assert host.worker_env(ElasticConfig()) == {
+        "ELASTIC_METRICS_SINK": f"jsonl:{tmp_path / '1.jsonl'}"
+    }
+    assert hosts[0].worker_env(ElasticConfig()) == {
+        "ELASTIC_METRICS_SINK": f"jsonl:{tmp_path / '0.jsonl'}"
+    }
 
 
 def test_metrics_modules_do_not_import_torch() -> None:

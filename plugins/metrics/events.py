@@ -1,9 +1,10 @@
 """Hook plugin (``elastic.plugins`` entry point ``metrics``): the agent's lifecycle as metrics.
 
-``elastic_agent_start`` configures this process's sinks from ``settings["metrics_sink"]``
-and passes the resolved spec to workers in ``ELASTIC_METRICS_SINK`` (via
-``spec.extra_env``) so ``put_metric`` in user code reaches the same sinks without a
-plugin scan. Every other hook only calls ``put_metric``, which is a no-op without sinks.
+It owns ``--metrics-sink NAME[:ARG][,...]`` (also ``ELASTIC_METRICS_SINK``). Each agent
+gets its own ``MetricsPlugin``, which opens its own sinks at ``elastic_agent_start`` and
+closes them at ``elastic_run_end``; it hands workers the resolved spec through
+``elastic_worker_env`` (``ELASTIC_METRICS_SINK``, file sinks with absolute paths) so
+``put_metric`` in user code reaches the same sinks without a plugin scan.
 
 Metric names (group ``torchelastic``):
 
@@ -24,11 +25,11 @@ from elastic.core import metrics
 from elastic.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from elastic.core.config import ElasticConfig
     from elastic.core.failures import FailureRecord
+    from elastic.core.plugin_options import PluginOptionParser
     from elastic.core.rendezvous import RendezvousInfo
     from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec
-
-put = metrics.put_metric
 
 
 def worker_spec(manager: metrics.SinkManager, spec: str) -> str:
@@ -44,52 +45,73 @@ def worker_spec(manager: metrics.SinkManager, spec: str) -> str:
     return ",".join(parts)
 
 
-@hookimpl
-def elastic_agent_start(spec: WorkerSpec, settings: dict[str, object]) -> None:
-    sink_spec = settings.get("metrics_sink") or os.environ.get(metrics.ENV_SINK) or ""
-    if not isinstance(sink_spec, str) or not sink_spec:
-        metrics.configure_sinks(None)
-        return
-    if spec.log_dir:  # default home for file sinks; an explicit env setting still wins
-        os.environ.setdefault("ELASTIC_METRICS_DIR", str(spec.log_dir))
-    manager = metrics.configure_sinks(sink_spec)
-    spec.extra_env[metrics.ENV_SINK] = worker_spec(manager, sink_spec)
+class MetricsPlugin:
+    """This agent's sinks and the lifecycle metrics it puts into them."""
 
+    def __init__(self) -> None:
+        self.sinks = metrics.SinkManager()
+        self.worker_sink_spec = ""
 
-@hookimpl
-def elastic_rendezvous_complete(info: RendezvousInfo, duration: float) -> None:
-    put("rendezvous.duration", duration)
-    put("rendezvous.round", info.round)
-    put("rendezvous.world_size", info.world_size)
+    def put(self, name: str, value: float) -> None:
+        if self.sinks.sinks:
+            self.sinks.emit(metrics.MetricData(name=name, value=float(value)))
 
+    @hookimpl
+    def elastic_addoption(self, parser: PluginOptionParser) -> None:
+        parser.addoption(
+            "--metrics-sink",
+            metavar="NAME[:ARG],...",
+            type=metrics.validate_sink_names,
+            help="Metrics sinks, NAME[:ARG][,NAME[:ARG]] (console, jsonl, prometheus).",
+        )
 
-@hookimpl
-def elastic_workers_started(group: WorkerGroup) -> None:
-    put("workers.started", len(group.workers))
-    put("workers.restart_count", group.restart_count)
+    @hookimpl
+    def elastic_agent_start(self, spec: WorkerSpec, config: ElasticConfig) -> None:
+        self.sinks.close()
+        self.sinks, self.worker_sink_spec = metrics.SinkManager(), ""
+        sink_spec = config.option("metrics_sink") or os.environ.get(metrics.ENV_SINK) or ""
+        if not sink_spec:
+            return
+        if spec.log_dir:  # default home for file sinks; an explicit env setting still wins
+            os.environ.setdefault("ELASTIC_METRICS_DIR", str(spec.log_dir))
+        self.sinks = metrics.SinkManager(metrics.build_sinks(sink_spec))
+        self.worker_sink_spec = worker_spec(self.sinks, sink_spec)
 
+    @hookimpl
+    def elastic_worker_env(self, config: ElasticConfig) -> dict[str, str] | None:
+        return {metrics.ENV_SINK: self.worker_sink_spec} if self.worker_sink_spec else None
 
-@hookimpl
-def elastic_worker_failed(record: FailureRecord) -> None:
-    put("workers.failed", 1)
-    put("workers.failed.exit_code", record.exit_code)
+    @hookimpl
+    def elastic_rendezvous_complete(self, info: RendezvousInfo, duration: float) -> None:
+        self.put("rendezvous.duration", duration)
+        self.put("rendezvous.round", info.round)
+        self.put("rendezvous.world_size", info.world_size)
 
+    @hookimpl
+    def elastic_workers_started(self, group: WorkerGroup) -> None:
+        self.put("workers.started", len(group.workers))
+        self.put("workers.restart_count", group.restart_count)
 
-@hookimpl
-def elastic_restart(group: WorkerGroup, reason: str) -> None:
-    put("restart", 1)
-    put(f"restart.{reason}", 1)
+    @hookimpl
+    def elastic_worker_failed(self, record: FailureRecord) -> None:
+        self.put("workers.failed", 1)
+        self.put("workers.failed.exit_code", record.exit_code)
 
+    @hookimpl
+    def elastic_restart(self, group: WorkerGroup, reason: str) -> None:
+        self.put("restart", 1)
+        self.put(f"restart.{reason}", 1)
 
-@hookimpl
-def elastic_membership_changed(old_world_size: int, new_world_size: int, round: int) -> None:
-    put("membership.changed", 1)
-    put("membership.world_size", new_world_size)
+    @hookimpl
+    def elastic_membership_changed(
+        self, old_world_size: int, new_world_size: int, round: int
+    ) -> None:
+        self.put("membership.changed", 1)
+        self.put("membership.world_size", new_world_size)
 
-
-@hookimpl
-def elastic_run_end(result: RunResult, duration: float) -> None:
-    put("run.duration", duration)
-    put("run.succeeded", 0 if result.is_failed() else 1)
-    put("run.exit_code", result.exit_code)
-    metrics.close_sinks()  # flush and close files: the run is over
+    @hookimpl
+    def elastic_run_end(self, result: RunResult, duration: float) -> None:
+        self.put("run.duration", duration)
+        self.put("run.succeeded", 0 if result.is_failed() else 1)
+        self.put("run.exit_code", result.exit_code)
+        self.sinks.close()  # flush and close files: the run is over
