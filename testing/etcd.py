@@ -1,14 +1,20 @@
 """Real etcd servers for tests: one member, a three-member cluster, a TLS member.
 
 Each server listens on free loopback ports with a temporary data directory, serves the v2
-API (``--enable-v2``: both etcd backends speak v2), is healthy before a fixture yields it
-and is SIGKILLed and reaped at teardown. Use from a test module with::
+API (``--enable-v2``: both etcd backends speak v2) unless made with ``v2=False``, is
+healthy before a fixture yields it and is SIGKILLed and reaped at teardown. Use from a
+test module with::
 
     pytest_plugins = ["elastic.testing.etcd"]
 
 and the fixtures ``etcd_server`` (per test), ``etcd_server_shared`` (per module; isolate
 tests with distinct run ids), ``etcd_cluster`` (three members) and ``etcd_tls`` (a member
 that requires client certificates signed by a CA generated for the test).
+
+v3 only (no v2 API, as etcd 3.4 serves by default): ``etcd_v3_server``,
+``etcd_v3_server_shared``, ``etcd_v3_cluster`` and ``etcd_v3_tls_auth`` (client
+certificates plus v3 authentication: user ``root``, password ``secret``, tokens that expire
+after ``V3_TOKEN_TTL`` idle seconds). ``gateway_post`` calls a member's JSON gateway.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +62,8 @@ class EtcdMember:
     client_port: int = field(default_factory=free_port)
     peer_port: int = field(default_factory=free_port)
     tls: TlsFiles | None = None
+    v2: bool = True  # serve the v2 API (--enable-v2)
+    extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
@@ -81,7 +90,7 @@ class EtcdMember:
             ETCD_BINARY,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
-            "--enable-v2",
+            *(["--enable-v2"] if self.v2 else []),
             "--listen-client-urls", self.client_url,
             "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
@@ -101,7 +110,7 @@ class EtcdMember:
                 "--trusted-ca-file", self.tls.ca_cert,
                 "--client-cert-auth",
             ]  # fmt: skip
-        return cmd
+        return cmd + list(self.extra_args)
 
     def start(self, initial_cluster: str) -> None:
         self.log = self.data_dir.parent / f"{self.name}.log"
@@ -123,11 +132,16 @@ class EtcdMember:
         if self.proc is not None:
             self.proc.wait(timeout=10)
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client context trusting the test CA and presenting the client certificate."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.ca_cert)
+        ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return ctx
+
     def healthy(self) -> bool:
-        ctx = None
-        if self.tls:
-            ctx = ssl.create_default_context(cafile=self.tls.ca_cert)
-            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        ctx = self.ssl_context()
         try:
             with urllib.request.urlopen(f"{self.client_url}/health", timeout=1, context=ctx) as r:
                 return json.loads(r.read()).get("health") == "true"
@@ -138,10 +152,23 @@ class EtcdMember:
 class EtcdCluster:
     """One or more members started together; ``endpoint`` lists them all."""
 
-    def __init__(self, size: int = 1, tls: TlsFiles | None = None, root: Path | None = None):
+    def __init__(
+        self,
+        size: int = 1,
+        tls: TlsFiles | None = None,
+        root: Path | None = None,
+        v2: bool = True,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.root = root or Path(tempfile.mkdtemp(prefix="elastic-etcd-"))
         self.members = [
-            EtcdMember(name=f"m{i}", data_dir=self.root / f"m{i}.etcd", tls=tls)
+            EtcdMember(
+                name=f"m{i}",
+                data_dir=self.root / f"m{i}.etcd",
+                tls=tls,
+                v2=v2,
+                extra_args=extra_args,
+            )
             for i in range(size)
         ]
         self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
@@ -206,39 +233,68 @@ def enable_v2_auth(member: EtcdMember, user: str = "root", password: str = "secr
     call("PUT", "/v2/auth/roles/guest", {"role": "guest", "revoke": revoke}, True)
 
 
+def gateway_post(
+    member: EtcdMember, path: str, body: dict[str, Any], token: str | None = None
+) -> dict[str, Any]:
+    """POST JSON to a member's v3 gateway (``/v3/<path>``); raises ``HTTPError`` on non-200."""
+    req = urllib.request.Request(
+        f"{member.client_url}/v3/{path}", data=json.dumps(body).encode(), method="POST"
+    )
+    if token:
+        req.add_header("Authorization", token)
+    with urllib.request.urlopen(req, timeout=5, context=member.ssl_context()) as r:
+        return dict(json.loads(r.read()))
+
+
+def enable_v3_auth(member: EtcdMember, user: str = "root", password: str = "secret") -> None:
+    """Turn on etcd's v3 authentication with one user holding the root role (what
+    ``etcdctl user add root && etcdctl auth enable`` do), through the gateway."""
+    gateway_post(member, "auth/user/add", {"name": user, "password": password})
+    gateway_post(member, "auth/user/grant", {"user": user, "role": "root"})
+    gateway_post(member, "auth/enable", {})
+
+
+V3_TOKEN_TTL = 2  # seconds an idle v3 auth token lives on etcd_v3_tls_auth (etcd: 300)
+
+
 EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")  # fast to generate
 
 
-def make_tls_files(directory: Path) -> TlsFiles:
+def _openssl(directory: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+
+def make_tls_files(directory: Path, client_subject: str = "/CN=client") -> TlsFiles:
     """A CA, a server certificate for 127.0.0.1, a client certificate, and a second CA."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
     directory.mkdir(parents=True, exist_ok=True)
     for ca in ("ca", "other-ca"):
         subj = f"/CN=elastic-test-{ca}"
-        run("req", "-x509", *EC_KEY, "-nodes", "-days", "2",
-            "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-subj", subj)  # fmt: skip
-    ext = directory / "san.cnf"
-    ext.write_text(
+        _openssl(directory, "req", "-x509", *EC_KEY, "-nodes", "-days", "2",
+                 "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-subj", subj)  # fmt: skip
+    (directory / "san.cnf").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
     )
-    for who in ("server", "client"):
-        run("req", *EC_KEY, "-nodes", "-keyout", f"{who}.key",
-            "-out", f"{who}.csr", "-subj", f"/CN={who}")  # fmt: skip
-        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-out", f"{who}.crt",
-            "-extfile", str(ext))  # fmt: skip
-    d = str(directory)
+    server_cert, server_key = sign_cert(directory, "server", "/CN=server")
+    client_cert, client_key = sign_cert(directory, "client", client_subject)
     return TlsFiles(
-        ca_cert=f"{d}/ca.crt",
-        server_cert=f"{d}/server.crt",
-        server_key=f"{d}/server.key",
-        client_cert=f"{d}/client.crt",
-        client_key=f"{d}/client.key",
-        other_ca_cert=f"{d}/other-ca.crt",
+        ca_cert=str(directory / "ca.crt"),
+        server_cert=server_cert,
+        server_key=server_key,
+        client_cert=client_cert,
+        client_key=client_key,
+        other_ca_cert=str(directory / "other-ca.crt"),
     )
+
+
+def sign_cert(directory: Path, name: str, subject: str) -> tuple[str, str]:
+    """A certificate and key ``<name>.crt``/``<name>.key`` for ``subject``, signed by the
+    CA ``make_tls_files`` made in ``directory``."""
+    _openssl(directory, "req", *EC_KEY, "-nodes", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", "-subj", subject)  # fmt: skip
+    _openssl(directory, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt",
+             "-CAkey", "ca.key", "-CAcreateserial", "-days", "2", "-out", f"{name}.crt",
+             "-extfile", "san.cnf")  # fmt: skip
+    return str(directory / f"{name}.crt"), str(directory / f"{name}.key")
 
 
 def _serve(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
@@ -272,3 +328,39 @@ def etcd_tls(tmp_path: Path) -> Iterator[EtcdCluster]:
     """A member requiring client certificates; ``.members[0].tls`` has the files."""
     tls = make_tls_files(tmp_path / "tls")
     yield from _serve(EtcdCluster(1, tls=tls))
+
+
+@pytest.fixture
+def etcd_v3_server() -> Iterator[EtcdCluster]:
+    """A fresh single-member etcd serving only the v3 API."""
+    yield from _serve(EtcdCluster(1, v2=False))
+
+
+@pytest.fixture(scope="module")
+def etcd_v3_server_shared() -> Iterator[EtcdCluster]:
+    """One v3-only member shared by a module's tests (use distinct key prefixes)."""
+    yield from _serve(EtcdCluster(1, v2=False))
+
+
+@pytest.fixture
+def etcd_v3_cluster() -> Iterator[EtcdCluster]:
+    """A three-member v3-only cluster; ``.endpoint`` lists every member."""
+    yield from _serve(EtcdCluster(3, v2=False))
+
+
+@pytest.fixture
+def etcd_v3_tls_auth(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A v3-only member requiring client certificates and v3 authentication (user
+    ``root``, password ``secret``; idle tokens expire after ``V3_TOKEN_TTL`` seconds).
+    ``sign_cert(Path(tls.ca_cert).parent, ...)`` makes other certificates from its CA."""
+    # With v3 auth on, etcd's gateway refuses client certificates that carry a CommonName
+    # (it cannot map one to a user): the client certificate here has none.
+    tls = make_tls_files(tmp_path / "tls", client_subject="/O=elastic-test")
+    ttl = ("--auth-token-ttl", str(V3_TOKEN_TTL))
+    cluster = EtcdCluster(1, tls=tls, v2=False, extra_args=ttl)
+    try:
+        cluster.start()
+        enable_v3_auth(cluster.members[0])
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,349 @@
+"""etcd's v3 API through its JSON gateway (``/v3/...``), over urllib3: no gRPC, no v2 API.
+
+One connection pool serves every member of the cluster. ``call`` posts one request and
+retries transient failures (refused or dropped connections, a leader election, a member
+going away) with backoff, moving to the next member after each failure, until the retry
+budget is spent; then it raises ``RendezvousConnectionError`` naming the endpoints
+(``RendezvousStoreGoneError`` when every member refused the connection: nothing listens).
+
+A write that is not idempotent (``idempotent=False``) is not retried once it may have
+reached the server: a dropped response leaves its outcome unknown, so ``call`` raises
+``OutcomeUnknown`` and the caller finds out what happened (see ``EtcdV3Store.add``).
+
+Authentication: with a username, ``call`` fetches a token from ``/v3/auth/authenticate``
+and sends it in the ``Authorization`` header; a token the server no longer knows (expired,
+or minted by a member that restarted) is replaced once and the request retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from elastic.core.rendezvous import (
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStoreGoneError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+# A dead host (no RST) should not hold up moving on to the next member for a full read.
+CONNECT_TIMEOUT = 3.0
+# gRPC status codes the gateway puts in its error bodies.
+UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, FAILED_PRECONDITION = 16, 7, 5, 9
+# HTTP statuses the gateway maps transient gRPC codes to (Canceled, ResourceExhausted,
+# Unknown/Internal, Unavailable, DeadlineExceeded); 502 comes from proxies in between.
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+class EtcdV3AuthError(RendezvousConnectionError):
+    """etcd refused our credentials, our permissions or our TLS setup: retrying cannot help."""
+
+
+class LeaseNotFoundError(RendezvousError):
+    """A put named a lease the server no longer has (it expired or was revoked)."""
+
+
+class OutcomeUnknown(Exception):
+    """A non-idempotent request may or may not have been applied (its response was lost)."""
+
+
+class _Transient(Exception):
+    def __init__(self, reason: str, refused: bool = False, sent: bool = True) -> None:
+        super().__init__(reason)
+        self.refused = refused  # the member's host answered that nothing listens
+        self.sent = sent  # the request may have reached the server
+
+
+class _TokenRejected(Exception):
+    pass
+
+
+def parse_endpoints(endpoint: str, default_port: int = DEFAULT_PORT) -> list[tuple[str, int]]:
+    """``"h1:2379,https://h2,[::1]:2380"`` -> ``[("h1", 2379), ("h2", 2379), ("::1", 2380)]``
+    (the v2 backends' syntax; the scheme comes from ``--rdzv-conf protocol``)."""
+    members: list[tuple[str, int]] = []
+    for raw in endpoint.split(","):
+        item = raw.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+        if not item:
+            continue
+        host, port_text = item, ""
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port_text = rest.removeprefix(":")
+        elif item.count(":") == 1:
+            host, _, port_text = item.partition(":")
+        if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r}: bad port {port_text!r}")
+        members.append((host or "127.0.0.1", int(port_text) if port_text else default_port))
+    if not members:
+        raise RendezvousConfigError(f"--rdzv-endpoint {endpoint!r} names no etcd member")
+    return members
+
+
+@dataclass
+class V3Config:
+    endpoint: str
+    protocol: str = "http"
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    username: str | None = None
+    password: str | None = None
+    read_timeout: float = 10.0  # one request; a watch is cut into requests this long
+    retry_timeout: float = 30.0  # how long transient failures are retried
+
+    def __post_init__(self) -> None:
+        self.protocol = (self.protocol or "http").strip().lower()
+        if self.protocol not in ("http", "https"):
+            raise RendezvousConfigError(
+                f"--rdzv-conf protocol={self.protocol!r}: must be http or https"
+            )
+        if self.read_timeout <= 0 or self.retry_timeout <= 0:
+            raise RendezvousConfigError("etcd read_timeout and retry_timeout must be positive")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        reason = getattr(cur, "reason", None)  # urllib3's wrappers; ssl's is a string
+        cur = (
+            cur.__cause__ or cur.__context__ or (reason if isinstance(reason, Exception) else None)
+        )
+
+
+class EtcdV3Client:
+    """Thread-safe; ``where`` (``h1:p1,h2:p2``) and ``url`` name the cluster in messages."""
+
+    def __init__(self, config: V3Config) -> None:
+        self.config = config
+        self.members = parse_endpoints(config.endpoint)
+        self.where = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.members)
+        self.url = ",".join(f"{config.protocol}://{m}" for m in self.where.split(","))
+        tls: dict[str, Any] = {}
+        if config.protocol == "https":
+            tls = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": config.ca_cert}
+            tls.update(cert_file=config.cert, key_file=config.key)
+        # retries=False: our loop retries, with backoff, and can move to another member.
+        # block=False: a long watch holding a connection never stalls other requests.
+        self._pool = urllib3.PoolManager(num_pools=8, maxsize=16, retries=False, **tls)
+        self._lock = threading.Lock()
+        self._current = 0
+        self._token: str | None = None
+
+    def _member(self) -> tuple[int, str]:
+        with self._lock:
+            host, port = self.members[self._current]
+        host = f"[{host}]" if ":" in host else host
+        return self._current, f"{self.config.protocol}://{host}:{port}"
+
+    def _rotate(self, failed: int) -> None:
+        with self._lock:
+            if self._current == failed:
+                self._current = (failed + 1) % len(self.members)
+
+    def _timeout(self, read: float) -> urllib3.Timeout:
+        return urllib3.Timeout(connect=min(CONNECT_TIMEOUT, read), read=read)
+
+    def _post(
+        self, base: str, path: str, body: dict[str, Any], token: str | None, timeout: float
+    ) -> Any:
+        """One POST; returns the decoded JSON or raises a classified error."""
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
+        try:
+            resp = self._pool.request(
+                "POST", f"{base}/v3/{path}", body=json.dumps(body).encode(), headers=headers,
+                timeout=self._timeout(timeout),
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise self._classify(exc) from None
+        try:
+            data = json.loads(resp.data or b"{}")
+        except ValueError:
+            data = {"error": resp.data[:200].decode(errors="replace")}
+        if resp.status == 200:
+            return data
+        self._raise_for(resp.status, data, path)
+
+    def _classify(self, exc: BaseException) -> Exception:
+        chain = list(_chain(exc))
+        if any(isinstance(e, ssl.SSLError | urllib3.exceptions.SSLError) for e in chain):
+            return EtcdV3AuthError(
+                f"TLS connection to etcd at {self.url} failed: {_one_line(exc)} "
+                "(check the CA/cert/key files in --rdzv-conf)"
+            )
+        refused = any(isinstance(e, ConnectionRefusedError) for e in chain)
+        sent = not isinstance(exc, urllib3.exceptions.ConnectTimeoutError)
+        return _Transient(_one_line(exc), refused=refused, sent=sent)
+
+    def _raise_for(self, status: int, data: dict[str, Any], path: str) -> None:
+        message = " ".join(str(data.get("error") or data.get("message") or "").split())
+        code = data.get("code")
+        if code == UNAUTHENTICATED or "auth store is old" in message:
+            raise _TokenRejected(message)
+        if status in TRANSIENT_STATUS or (code == FAILED_PRECONDITION and "leader" in message):
+            raise _Transient(f"{message} (HTTP {status})")
+        if code == PERMISSION_DENIED or "user name is empty" in message:
+            user = self.config.username or "(none)"
+            raise EtcdV3AuthError(
+                f"etcd at {self.url} refused {path} for user {user}: {message} "
+                "(check --rdzv-conf username/password and the user's role)"
+            )
+        if "CommonName" in message:  # etcd >= 3.4 with client-cert-auth and v3 auth on
+            raise EtcdV3AuthError(
+                f"etcd at {self.url} refused our client certificate: {message} (its JSON "
+                "gateway takes, with auth on, only certificates without a CommonName)"
+            )
+        if "authentication failed" in message:
+            raise EtcdV3AuthError(
+                f"etcd at {self.url} refused user {self.config.username!r}: {message}"
+            )
+        if code == NOT_FOUND and "lease" in message:
+            raise LeaseNotFoundError(message)
+        raise RendezvousError(f"etcd at {self.url} rejected {path}: {message} (HTTP {status})")
+
+    def _authenticate(self, stale: str | None) -> str | None:
+        """The current token, fetching a new one if there is none or it is ``stale``."""
+        if not self.config.username:
+            return None
+        with self._lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+        body = {"name": self.config.username, "password": self.config.password or ""}
+        token = str(self.call("auth/authenticate", body, auth=False)["token"])
+        with self._lock:
+            self._token = token
+        return token
+
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        idempotent: bool = True,
+        retry_for: float | None = None,
+        timeout: float | None = None,
+        auth: bool = True,
+    ) -> Any:
+        """POST ``body`` to ``/v3/<path>`` on some member; the decoded JSON reply.
+        ``timeout`` bounds each attempt (default ``read_timeout``), ``retry_for`` all."""
+        attempt = self.config.read_timeout if timeout is None else timeout
+        limit = self.config.retry_timeout if retry_for is None else retry_for
+        deadline = time.monotonic() + limit
+        delay, tried = 0.05, 0
+        refused: set[int] = set()  # members whose last failure was a refused connection
+        token = self._authenticate(None) if auth else None
+        reauthenticated = False
+        while True:
+            index, base = self._member()
+            try:
+                return self._post(base, path, body, token, attempt)
+            except _TokenRejected as exc:
+                if not auth or not self.config.username or reauthenticated:
+                    raise EtcdV3AuthError(
+                        f"etcd at {self.url} requires authentication: {exc} "
+                        "(set --rdzv-conf username and password)"
+                    ) from None
+                token, reauthenticated = self._authenticate(token), True
+                continue
+            except _Transient as exc:
+                self._rotate(index)
+                if exc.refused:
+                    refused.add(index)
+                else:
+                    refused.discard(index)
+                if exc.sent and not idempotent:
+                    raise OutcomeUnknown(str(exc)) from None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    gone = len(refused) == len(self.members)
+                    error = RendezvousStoreGoneError if gone else RendezvousConnectionError
+                    raise error(
+                        f"cannot reach etcd at {self.url} (retried for {limit:g}s): {exc}"
+                    ) from None
+                tried += 1
+                # Another member may answer at once; back off only after trying them all.
+                if tried % len(self.members) == 0:
+                    time.sleep(min(delay, remaining))
+                    delay = min(delay * 2, 1.0)
+
+    def watch(
+        self, key: bytes, range_end: bytes, start_revision: int, timeout: float
+    ) -> Iterator[dict[str, Any]]:
+        """Events on ``[key, range_end)`` from ``start_revision`` on, for up to ``timeout``
+        seconds (one bounded request). Ends early, without raising, when the watch is
+        cancelled (compaction, a rejected token) or the member fails: the caller re-reads
+        its state through ``call``, which applies the retry budget."""
+        deadline = time.monotonic() + timeout
+        index, base = self._member()
+        token = self._authenticate(None)
+        create = {"key": b64(key), "range_end": b64(range_end), "start_revision": start_revision}
+        try:
+            resp = self._pool.request(
+                "POST", f"{base}/v3/watch", body=json.dumps({"create_request": create}).encode(),
+                headers={"Authorization": token} if token else {},
+                timeout=self._timeout(timeout), preload_content=False,
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            self._watch_failed(index, exc)
+            return
+        buffer = b""
+        try:
+            if resp.status != 200:
+                raise urllib3.exceptions.HTTPError(f"HTTP {resp.status}")
+            for chunk in resp.stream(None):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    result = json.loads(line or b"{}").get("result", {})
+                    if result.get("canceled"):
+                        reason = str(result.get("cancel_reason", ""))
+                        if "auth token" in reason:
+                            self._authenticate(token)
+                        return
+                    yield from result.get("events", [])
+                if time.monotonic() >= deadline:
+                    return
+        except urllib3.exceptions.ReadTimeoutError:
+            return  # the slice ended with nothing (more) to report
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            self._watch_failed(index, exc)
+        finally:
+            resp.close()  # never hand a half-read stream back to the pool
+            resp.release_conn()
+
+    def _watch_failed(self, index: int, exc: BaseException) -> None:
+        log.debug("etcd watch on member %d failed: %s", index, _one_line(exc))
+        self._rotate(index)
+        time.sleep(0.05)  # whatever failed, do not spin on it
+
+    def close(self) -> None:
+        self._pool.clear()
