@@ -68,8 +68,26 @@ class RendezvousTarget:
     last_call_timeout: float = 1.0  # what ``config`` sets it to
     detect_timeout: float = 15.0  # how long lost nodes / waiting nodes may take to show
     local_addr: str | None = "127.0.0.1"
+    # Each handler is told its node rank (0, 1, ... in creation order), as static needs.
+    node_ranks: bool = False
+    # Cases that do not apply (e.g. a fixed-membership backend has no scale-up), by name.
+    not_applicable: frozenset[str] = frozenset()
+    # --rdzv-conf values outside their range: each must be rejected, never replaced.
+    bad_config: tuple[dict[str, str], ...] = (
+        {"join_timeout": "0"},
+        {"last_call_timeout": "-1"},
+        {"heartbeat_interval": "0"},
+        {"heartbeat_timeout": "nan"},
+    )
 
-    def params(self, run_id: str, min_nodes: int, max_nodes: int, **config: str) -> Any:
+    def params(
+        self,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        node_rank: int | None = None,
+        **config: str,
+    ) -> Any:
         return RendezvousParameters(
             backend=self.backend,
             endpoint=self.endpoint,
@@ -78,7 +96,12 @@ class RendezvousTarget:
             max_nodes=max_nodes,
             local_addr=self.local_addr,
             config={**self.config, **config},
+            node_rank=node_rank,
         )
+
+    def applies(self, case: str) -> None:
+        if case in self.not_applicable:
+            pytest.skip(f"{case} does not apply to the {self.backend} backend")
 
 
 class Nodes:
@@ -88,12 +111,17 @@ class Nodes:
         self.target = target
         self.handlers: list[RendezvousHandler] = []
         self.procs: list[subprocess.Popen[str]] = []
+        self._made: dict[str, int] = {}  # handlers made per run id: the next node rank
 
     def make(self, run_id: str, min_nodes: int, max_nodes: int, n: int = 1) -> list[Any]:
-        new = [
-            get_rendezvous_handler(self.target.params(run_id, min_nodes, max_nodes))
-            for _ in range(n)
-        ]
+        new = []
+        for _ in range(n):
+            rank = self._made.get(run_id, 0)
+            self._made[run_id] = rank + 1
+            params = self.target.params(
+                run_id, min_nodes, max_nodes, node_rank=rank if self.target.node_ranks else None
+            )
+            new.append(get_rendezvous_handler(params))
         self.handlers += new
         return new
 
@@ -170,6 +198,12 @@ class RendezvousConformance:
         nodes = Nodes(rdzv_target)
         yield nodes
         nodes.close()
+
+    @pytest.fixture(autouse=True)
+    def _skip_what_does_not_apply(
+        self, request: pytest.FixtureRequest, rdzv_target: RendezvousTarget
+    ) -> None:
+        rdzv_target.applies(request.node.originalname)
 
     @pytest.fixture
     def run_id(self) -> str:
@@ -342,3 +376,64 @@ class RendezvousConformance:
             other.next_rendezvous()
         assert refused.value.fields == {"torch": ("same", "other")}
         assert first.num_nodes_waiting() == 0  # the running job never saw the refused node
+
+    # -- the membership rules every dynamic backend shares -------------------------------
+    def test_stable_ranks_when_the_same_nodes_regroup(self, nodes: Nodes, run_id: str) -> None:
+        handlers = nodes.make(run_id, 3, 3, n=3)
+        first = rendezvous_all(handlers)
+        again = rendezvous_all(handlers)
+        assert_one_round(again, 3)
+        assert again[0].round > first[0].round
+        assert [i.rank for i in again] == [i.rank for i in first]
+
+    def test_regroup_after_a_departure_skips_the_last_call(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        slow = replace(rdzv_target, config={**rdzv_target.config, "last_call_timeout": "30"})
+        handlers = Nodes(slow).make(run_id, 2, 3, n=3)
+        nodes.handlers += handlers
+        first = rendezvous_all(handlers)  # 3 of max 3: no last call
+        leaver = handlers[-1]
+        leaver.shutdown()  # the job is not closed: a departure
+        survivors = handlers[:-1]
+        assert wait_for(lambda: all(_lost(h) for h in survivors), rdzv_target.detect_timeout), (
+            "the survivors never saw the departure"
+        )
+        started = time.monotonic()
+        again = rendezvous_all(survivors, timeout=60)
+        took = time.monotonic() - started
+        assert_one_round(again, 2)
+        assert again[0].round > first[0].round
+        assert took < 15, f"the regroup waited {took:.1f}s: the last call (30 s) was not skipped"
+
+    def test_departure_is_not_completion(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        a, b, c = nodes.make(run_id, 2, 3, n=3)
+        rendezvous_all([a, b, c])
+        c.shutdown()  # leaves an open job: the others must see it, promptly
+        departed_at = time.monotonic()
+        assert wait_for(lambda: _lost(a) and _lost(b), rdzv_target.detect_timeout)
+        assert time.monotonic() - departed_at < rdzv_target.detect_timeout
+        assert a.membership_changed()
+        rendezvous_all([a, b])
+        a.set_closed()
+        b.shutdown()  # the job is closed: finished, not lost
+        time.sleep(min(3.0, rdzv_target.detect_timeout))
+        assert a.lost_nodes() == []
+
+    def test_out_of_range_config_is_rejected(
+        self, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        for bad in rdzv_target.bad_config:
+            with pytest.raises(RendezvousConfigError) as err:
+                get_rendezvous_handler(rdzv_target.params(run_id, 1, 1, **bad))
+            (key,) = bad
+            assert key in str(err.value), err.value
+
+
+def _lost(handler: RendezvousHandler) -> list[str]:
+    try:
+        return handler.lost_nodes()
+    except RendezvousError:
+        return []

@@ -1,9 +1,9 @@
-"""The backend contract (``elastic.testing.conformance``) run against etcd, etcd-v2 and c10d,
-each on real servers on free loopback ports."""
+"""The backend contract (``elastic.testing.conformance``) run against every built-in backend
+(c10d, etcd-v3, etcd-v2, the legacy etcd and static), each on real servers on free
+loopback ports; the cases that do not apply to a backend are skipped by name."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,37 @@ QUICK_C10D = {
 }
 
 
+# The legacy etcd backend keeps torchelastic's protocol, with its own keys and rules.
+LEGACY_ETCD_ONLY = frozenset(
+    {
+        "test_stable_ranks_when_the_same_nodes_regroup",
+        "test_regroup_after_a_departure_skips_the_last_call",
+        "test_departure_is_not_completion",
+    }
+)
+# A fixed set of nodes, each told its rank, node 0 hosting the store: no membership.
+STATIC_FIXED = frozenset(
+    {
+        "test_min_max_last_call",
+        "test_scale_up_num_nodes_waiting",
+        "test_lost_node_detected",
+        "test_run_id_isolation",  # one node 0 per port
+        "test_closed_rendezvous",  # no late joiners: the node set is fixed
+        "test_mismatched_fingerprint_is_refused",
+        "test_stable_ranks_when_the_same_nodes_regroup",
+        "test_regroup_after_a_departure_skips_the_last_call",
+        "test_departure_is_not_completion",
+        "test_describe_of_an_unknown_job_is_an_error",
+    }
+)
+
+
+class TestEtcdV3Conformance(RendezvousConformance):
+    @pytest.fixture
+    def rdzv_target(self, etcd_v3_server_shared: EtcdCluster) -> RendezvousTarget:
+        return RendezvousTarget("etcd-v3", etcd_v3_server_shared.endpoint, dict(QUICK_C10D))
+
+
 class TestEtcdV2Conformance(RendezvousConformance):
     @pytest.fixture
     def rdzv_target(self, etcd_server_shared: EtcdCluster) -> RendezvousTarget:
@@ -41,7 +72,26 @@ class TestEtcdV2Conformance(RendezvousConformance):
 class TestEtcdConformance(RendezvousConformance):
     @pytest.fixture
     def rdzv_target(self, etcd_server_shared: EtcdCluster) -> RendezvousTarget:
-        return RendezvousTarget("etcd", etcd_server_shared.endpoint, dict(QUICK_ETCD))
+        return RendezvousTarget(
+            "etcd",
+            etcd_server_shared.endpoint,
+            dict(QUICK_ETCD),
+            not_applicable=LEGACY_ETCD_ONLY,
+            bad_config=({"timeout": "0"}, {"keep_alive_ttl": "-1"}),
+        )
+
+
+class TestStaticConformance(RendezvousConformance):
+    @pytest.fixture
+    def rdzv_target(self) -> RendezvousTarget:
+        return RendezvousTarget(
+            "static",
+            f"127.0.0.1:{_free_port()}",
+            {"timeout": "30", "shutdown_timeout": "2"},
+            node_ranks=True,
+            not_applicable=STATIC_FIXED,
+            bad_config=({"timeout": "0"}, {"shutdown_timeout": "-1"}),
+        )
 
 
 def _free_port() -> int:
@@ -50,10 +100,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("elastic.plugins.rdzv_c10d.handler") is None,
-    reason="the c10d backend has not landed",
-)
 class TestC10dConformance(RendezvousConformance):
     @pytest.fixture
     def rdzv_target(self) -> RendezvousTarget:

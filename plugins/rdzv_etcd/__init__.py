@@ -58,11 +58,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters, client: EtcdClient) -> None:
         self.params = params
         self.client = client
-        timeout = params.get_as_float("timeout", 600.0) or 600.0
+        timeout = params.get_as_float("timeout", 600.0)
         last_call = params.get_as_float("last_call_timeout", 30.0)
-        ttl = params.get_as_float("keep_alive_ttl", 5.0) or 5.0
-        if timeout <= 0 or last_call is None or last_call < 0 or ttl <= 0:
-            raise RendezvousConfigError("timeout, keep_alive_ttl must be > 0, last_call >= 0")
+        ttl = params.get_as_float("keep_alive_ttl", 5.0)
+        for key, value, least in (
+            ("timeout", timeout, "> 0"),
+            ("keep_alive_ttl", ttl, "> 0"),
+            ("last_call_timeout", last_call, ">= 0"),
+        ):
+            assert value is not None
+            if not value > 0 and not (least == ">= 0" and value == 0):
+                raise RendezvousConfigError(
+                    f"--rdzv-conf {key}={params.get(key)}: expected a number of seconds {least}"
+                )
+        assert timeout is not None and ttl is not None
         self.keep_alive_ttl = ttl_seconds(ttl)
         self.keepalive = KeepAlive(client, interval=max(0.2, self.keep_alive_ttl / 3))
         self.rdzv = EtcdRendezvous(
