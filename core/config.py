@@ -49,12 +49,13 @@ class ElasticConfig:
 
     @classmethod
     def from_launch_config(
-        cls, config: LaunchConfig, plugin_options: Mapping[str, Any]
+        cls, config: LaunchConfig, plugin_options: Mapping[str, Any], run_id: str | None = None
     ) -> ElasticConfig:
+        """``run_id``: the rendezvous handler's (a backend may fill in the job id itself)."""
         return cls(
             role=config.role,
             nproc_per_node=config.nproc_per_node,
-            run_id=config.run_id,
+            run_id=run_id or config.run_id,
             min_nodes=config.min_nodes,
             max_nodes=config.max_nodes,
             rdzv_backend="standalone" if config.standalone else config.rdzv_backend,

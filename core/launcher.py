@@ -169,7 +169,7 @@ def create_agent(
     return LocalElasticAgent(
         spec,
         plugin_host=host,
-        config=ElasticConfig.from_launch_config(config, options),
+        config=ElasticConfig.from_launch_config(config, options, handler.get_run_id()),
         signals_to_handle=config.signals_to_handle,
     )
 
