@@ -3,8 +3,9 @@
     python bench/rendezvous_scale_etcd.py --backend etcd-v2 --nodes 64 --repeat 3
 
 Same CLI and JSON shape as bench/rendezvous_scale.py (whose helpers it reuses). Runs N of
-our handlers and N of torch's equivalent (``etcd-v2``: torch's DynamicRendezvousHandler over
-its EtcdRendezvousBackend; ``etcd``: torch's EtcdRendezvousHandler) against the same
+our handlers and N of torch's equivalent (``etcd-v2`` and ``etcd-v3``: torch's
+DynamicRendezvousHandler over its EtcdRendezvousBackend, v2 API: torch has no v3 backend;
+``etcd``: torch's EtcdRendezvousHandler) against the same
 freshly started etcd (``--enable-v2``, loopback, temp data dir), each run under its own run
 id, min = max = N. Handlers (and their HTTP clients) are created before the clock starts;
 creation time is reported as ``connect_seconds``. The timed region is from releasing all N
@@ -87,7 +88,7 @@ def torchs(backend: str, endpoint: str, nodes: int, run_id: str, timeout: float)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--backend", default="etcd-v2", choices=["etcd-v2", "etcd"])
+    parser.add_argument("--backend", default="etcd-v2", choices=["etcd-v3", "etcd-v2", "etcd"])
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0, help="cap for ours (s)")
@@ -119,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_torch:
             theirs = []
             for i in range(args.repeat):
-                theirs.append(
-                    torchs(args.backend, endpoint, args.nodes, f"torch-{i}", args.torch_timeout)
-                )
+                # torch has no v3 backend: its etcd-v2 handler is the peer of our etcd-v3.
+                peer = "etcd-v2" if args.backend == "etcd-v3" else args.backend
+                theirs.append(torchs(peer, endpoint, args.nodes, f"torch-{i}", args.torch_timeout))
                 if theirs[-1]["seconds"] is None:
                     break  # one timeout says enough
             report["torch"] = base.summary(theirs, args.torch_timeout)
