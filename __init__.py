@@ -24,6 +24,7 @@ _LAZY = {
     "train": "elastic.training.loop:train",
     "init_process_group": "elastic.training.dist:init_process_group",
     "put_metric": "elastic.core.metrics:put_metric",
+    "heartbeat": "elastic.training.progress:heartbeat",
     # torch's programmatic API (torch.distributed.launcher.api and .elastic)
     "LaunchConfig": "elastic.core.launcher:LaunchConfig",
     "elastic_launch": "elastic.api:elastic_launch",

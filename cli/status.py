@@ -85,7 +85,22 @@ def render(status: JobStatus) -> str:
             f"root cause: rank {rc.get('rank')} on {rc.get('host')} "
             f"exit {rc.get('exit_code')} {rc.get('signal') or ''} {rc.get('message', '')}".rstrip()
         )
+        lines += stack_lines(rc)
     return "\n".join(lines)
+
+
+def stack_lines(root_cause: dict[str, Any]) -> list[str]:
+    """The root cause's main-thread stack, when the agent dumped it (a hung worker)."""
+    extra = root_cause.get("extra")
+    stacks = extra.get("stacks") if isinstance(extra, dict) else None
+    if not isinstance(stacks, str) or not stacks:
+        return []
+    block: list[str] = []
+    for line in stacks.splitlines():
+        if block and line.startswith("Thread "):
+            break  # the main thread comes first; the rest is in --json
+        block.append(f"  {line}")
+    return block
 
 
 @click.command("status")

@@ -61,6 +61,7 @@ from elastic.core.rendezvous import (
     RendezvousMismatchError,
 )
 from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from elastic.core.stall import StallWatchdog
 from elastic.core.store import Store
 from elastic.core.worker_env import assign_ranks, substitute_args, worker_vars
 
@@ -120,6 +121,8 @@ class LocalElasticAgent(ElasticAgent):
         self._host_name: str | None = None
         self._attempts = 0
         self._failures: dict[int, fail.FailureRecord] = {}
+        # --stall-timeout, FileTimer server, --health-port (binds the port now)
+        self._stall = StallWatchdog(spec)
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -147,6 +150,7 @@ class LocalElasticAgent(ElasticAgent):
             self._guard.restore()
             with contextlib.suppress(Exception):
                 self._handler.shutdown()
+            self._stall.close()
         self._group.state = result.state
         self._notify("elastic_run_end", result=result, duration=time.monotonic() - started)
         return result
@@ -235,6 +239,7 @@ class LocalElasticAgent(ElasticAgent):
             reason = "failure" if outcome == "peer_failed" else outcome
             self._notify("elastic_restart", group=self._group, reason=reason)
             return None
+        # "failed", or "stalled" (core/stall.py: hung workers were dumped, then killed)
         return self._on_failure(info, failed)
 
     def _start(self, info: RendezvousInfo, restarts: int) -> str | None:
@@ -272,6 +277,7 @@ class LocalElasticAgent(ElasticAgent):
                     use_agent_store=self._handler.use_agent_store,
                     error_file=logs.error_file,
                 )
+                wvars.update(self._stall.worker_env(worker.local_rank, logs.error_file))
                 args = substitute_args(spec.args, worker.local_rank)
                 proc = start_worker(spec, worker.local_rank, args, wvars, extra, logs)
                 worker.pid = proc.pid
@@ -313,6 +319,9 @@ class LocalElasticAgent(ElasticAgent):
             if all(c == 0 for c in codes.values()):
                 self._group.state = WorkerState.SUCCEEDED
                 return "succeeded", {}
+            stalled = self._stall.check(self._workers)  # core/stall.py: a hang found here
+            if stalled is not None:
+                return stalled
             if watch.error is not None:
                 raise RendezvousConnectionError(str(watch.error))
             if watch.failed:
@@ -383,6 +392,7 @@ class LocalElasticAgent(ElasticAgent):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             self._notify("elastic_restart", group=self._group, reason="lost_node")
             return None
+        self._stall.annotate(records)  # stacks, the stall or the expired FileTimer
         # Publish and decide before stopping the siblings: peers learn of the failure (the
         # restart claim, the failed flag) while our grace period runs, not after it.
         self._failures = {r.rank: r for r in records}
@@ -462,5 +472,6 @@ class LocalElasticAgent(ElasticAgent):
             self._group.state = WorkerState.STOPPED
 
     def _notify(self, hook: str, **kwargs: Any) -> None:
+        self._stall.on_event(hook, kwargs)
         if self._host is not None:
             self._host.notify(hook, **kwargs)

@@ -138,13 +138,21 @@ def launcher_exit_code(record: FailureRecord) -> int:
     return min(max(record.exit_code, 1), 255)
 
 
-def _order(record: FailureRecord) -> tuple[float, int, int, str]:
-    return (record.timestamp, record.rank, record.local_rank, record.host)
+def waiting_for_peer(record: FailureRecord) -> bool:
+    """A hung worker whose stack showed it waiting in a collective (``core/stall.py``):
+    it waited for a peer that never came, so it is never the root cause of its round
+    while another failure is known."""
+    stall = record.extra.get("stall") if isinstance(record.extra, dict) else None
+    return isinstance(stall, dict) and bool(stall.get("waiting"))
+
+
+def _order(record: FailureRecord) -> tuple[bool, float, int, int, str]:
+    return (waiting_for_peer(record), record.timestamp, record.rank, record.local_rank, record.host)
 
 
 def summarize(run_id: str, records: list[FailureRecord]) -> FailureSummary:
     """The job-wide view of a failed run: the earliest failure is the root cause, the
-    others follow in time order.
+    others follow in time order (hung workers that were waiting in a collective last).
 
     When records carry ``extra["round"]`` (the rendezvous round, the same on every node),
     only the latest round's failures are kept: earlier rounds were restarted past and

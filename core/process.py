@@ -209,6 +209,10 @@ def _callable_bootstrap(
         _release_forkserver()
     die_with_parent(parent_pid)
     os.environ.update(env)
+    if "ELASTIC_STACK_FILE" in env:  # a command worker gets this from sitecustomize
+        from elastic.core.worker_boot.sitecustomize import install
+
+        install()
     for dest, fd, name in ((stdout, 1, "stdout"), (stderr, 2, "stderr")):
         if dest == CONSOLE:
             continue

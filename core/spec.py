@@ -56,6 +56,8 @@ class WorkerSpec:
     virtual_local_rank: bool = False  # LOCAL_RANK=0, one visible GPU per worker
     duplicate_stdout_filters: tuple[str, ...] = ()  # teed lines copied to filtered_stdout.log
     duplicate_stderr_filters: tuple[str, ...] = ()
+    stall_timeout: float | None = None  # --stall-timeout: restart a job that stops progressing
+    health_port: int | None = None  # --health-port: /healthz, /readyz, /metrics (core/health)
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -64,6 +66,8 @@ class WorkerSpec:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.monitor_interval <= 0:
             raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
+        if self.stall_timeout is not None and self.stall_timeout <= 0:
+            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
 
 
 @dataclass

@@ -15,6 +15,9 @@ When ``torch.distributed`` is initialized, ranks agree after every step (one sma
 all_reduce) on whether any of them failed or is done, so they roll back and stop
 together. A step that raises must therefore not leave a collective half-issued: raise
 before or after the step's collectives, or let the process die and be restarted.
+
+Every step (and every checkpoint save) calls ``elastic.heartbeat()``: under
+``elastic run --stall-timeout`` the worker is judged by those heartbeats.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
+from elastic.training.progress import heartbeat
 from elastic.training.state import State
 
 GROUP = "elastic.train"
@@ -114,6 +118,7 @@ def train(
             done = bool(train_step(state))
         except Exception as exc:
             error = exc
+        heartbeat()  # a step ran: progress for the agent's --stall-timeout
         any_failed, any_done = _all_reduce_max([error is not None, done])
         if any_failed:
             retries += 1
@@ -139,5 +144,6 @@ def train(
             with timed("checkpoint.save", GROUP):
                 saver.save(step, state.save)
             saved_at = step
+            heartbeat()  # a long save is progress too
         if any_done:
             return step

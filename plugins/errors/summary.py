@@ -57,7 +57,10 @@ def describe_exit(record: FailureRecord) -> str:
         return f"exit code {record.exit_code}"
     signum = signal_number(record)
     text = f"{name} (signal {signum})"
-    if name == "SIGKILL":
+    extra = record.extra if isinstance(record.extra, dict) else {}
+    if "stall" in extra or "file_timer" in extra:  # the message says why
+        text += " - killed by the agent" if "stall" in extra else " - sent by the agent"
+    elif name == "SIGKILL":
         text += " - possible OOM kill: check the host's memory and `dmesg`"
     return text
 
@@ -114,9 +117,25 @@ def render_failure(record: FailureRecord, root: FailureRecord | None = None) -> 
         note = " (last lines; the worker wrote no error file)" if label == "stderr" else ""
         lines.append(f"  {label:<10} :{note}")
         lines.append(_indent(text))
-    elif root is None:
+    stacks = record.extra.get("stacks") if isinstance(record.extra, dict) else None
+    if not record.traceback and root is None and not stacks:
         lines.append(f"  {'traceback':<10} : {NO_TRACEBACK_HINT}")
+    if stacks:  # dumped by the agent before it killed a hung worker (core/stacks.py)
+        shown = stacks if root is None else main_thread(stacks)
+        note = "every thread" if root is None else "main thread; every thread in the JSON"
+        lines.append(f"  {'stacks':<10} : ({note}, most recent call first)")
+        lines.append(_indent(shown))
     return "\n".join(lines)
+
+
+def main_thread(stacks: str) -> str:
+    """The first block of a stack dump (the agent puts the main thread first)."""
+    block = []
+    for line in stacks.splitlines():
+        if block and line.startswith("Thread "):
+            break
+        block.append(line)
+    return "\n".join(block)
 
 
 def render_summary(summary: FailureSummary) -> str:
