@@ -97,9 +97,15 @@ def test_prometheus_sink_file(tmp_path: Path) -> None:
         if not line.startswith("#")
     }
     assert lines["torchelastic_rendezvous_duration"] == "0.5"
-    assert lines["torchelastic_rendezvous_duration_count"] == "2"
+    assert lines["torchelastic_rendezvous_duration_observations_total"] == "2.0"
     assert lines["torchelastic_restart"] == "1.0"
-    assert "# TYPE torchelastic_restart_count counter" in text
+    assert "# TYPE torchelastic_restart_observations_total counter" in text
+    # prometheus-client's own parser reads it back (the exposition is the library's).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["torchelastic_restart_observations"].type == "counter"
+    assert families["torchelastic_rendezvous_duration"].samples[0].labels["host"]
     # Written by rename: no temp file is left next to it.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elastic.prom"]
 

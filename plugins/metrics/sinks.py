@@ -22,10 +22,14 @@ import os
 import re
 import socket
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.core.metrics import MetricData
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 ENV_DIR = "ELASTIC_METRICS_DIR"
 ENV_JSONL = "ELASTIC_METRICS_JSONL"
@@ -99,14 +103,19 @@ def prometheus_name(group: str, name: str) -> str:
 
 
 class PrometheusSink:
-    """A text-exposition file for node_exporter's textfile collector.
+    """A text-exposition file for node_exporter's textfile collector, rendered by
+    ``prometheus-client`` (the same library serves the agent's ``/metrics``).
 
     For each metric: a gauge with its last value and a counter of observations
-    (``NAME_count``). The whole file is rewritten on every metric, to a temp file in the
-    same directory then renamed, so the collector never reads half a file.
+    (``NAME_observations_total``), labelled with the host (and the rank in a worker). The
+    whole file is rewritten on every metric by ``prometheus_client.write_to_textfile``
+    (a temp file in the same directory, then a rename), so the collector never reads half
+    a file.
     """
 
     def __init__(self, arg: str | None = None) -> None:
+        from prometheus_client import CollectorRegistry
+
         path = _resolve(arg, ENV_PROMETHEUS, "metrics.prom")
         rank = os.environ.get("RANK")
         if rank is not None:  # a worker: one file per process, the agent keeps its own
@@ -116,9 +125,11 @@ class PrometheusSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
-        self._labels = f'host="{socket.gethostname()}"' + (
-            f',rank="{rank}"' if rank is not None else ""
-        )
+        self._labels = {"host": socket.gethostname()}
+        if rank is not None:
+            self._labels["rank"] = rank
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)  # type: ignore[arg-type]  # collect() below
 
     def emit(self, data: MetricData) -> None:
         key = prometheus_name(data.group, data.name)
@@ -126,26 +137,28 @@ class PrometheusSink:
         self._count[key] = self._count.get(key, 0) + 1
         self._write()
 
-    def render(self) -> str:
-        lines: list[str] = []
+    def collect(self) -> Iterator[Metric]:
+        """prometheus-client's collector protocol: the families, at exposition time."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        names = sorted(self._labels)
+        values = [self._labels[n] for n in names]
         for key in sorted(self._last):
-            lines += [
-                f"# HELP {key} last value put by elastic",
-                f"# TYPE {key} gauge",
-                f"{key}{{{self._labels}}} {self._last[key]!r}",
-                f"# HELP {key}_count observations put by elastic",
-                f"# TYPE {key}_count counter",
-                f"{key}_count{{{self._labels}}} {self._count[key]}",
-            ]
-        return "\n".join(lines) + "\n"
+            gauge = GaugeMetricFamily(key, "last value put by elastic", labels=names)
+            gauge.add_metric(values, self._last[key])
+            yield gauge
+            count = CounterMetricFamily(
+                f"{key}_observations", "observations put by elastic", labels=names
+            )
+            count.add_metric(values, self._count[key])
+            yield count
+
+    def render(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._registry).decode()
 
     def _write(self) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.render())
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; the collector may run as another user
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from prometheus_client import write_to_textfile
+
+        write_to_textfile(str(self.path), self._registry)
