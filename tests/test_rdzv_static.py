@@ -343,3 +343,46 @@ def test_e2e_sigterm_while_waiting_for_nodes_exits_promptly(procs, tmp_path, por
     _, stderr = node0.communicate(timeout=30)
     assert time.monotonic() - start < 5
     assert node0.returncode == 128 + signal.SIGTERM, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_e2e_a_departed_node_ends_a_static_job_promptly(procs, tmp_path, port: int) -> None:  # noqa: ANN001
+    # Fixed membership cannot regroup: when node 1 is SIGTERMed, node 0 must end with one
+    # line saying why, not wait for node 1 in the next round until the 600 s timeout
+    # (--max-restarts leaves room for a restart, which is what would wait).
+    import signal
+
+    from conftest import wait_until
+
+    script = tmp_path / "sleepy.py"
+    script.write_text("import os, sys, time\nprint('RUNNING', flush=True)\ntime.sleep(600)\n")
+    nodes = [
+        procs.elastic(
+            "run",
+            "--nnodes=2",
+            f"--node-rank={rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--max-restarts=3",
+            str(script),
+        )
+        for rank in (0, 1)
+    ]
+    lines: list[str] = []
+
+    def running() -> bool:
+        line = nodes[0].stdout.readline()
+        lines.append(line)
+        return "RUNNING" in line
+
+    assert wait_until(running, timeout=60), lines
+    nodes[1].send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, stderr = nodes[0].communicate(timeout=60)
+    took = time.monotonic() - start
+    assert nodes[0].returncode == 1, stderr
+    assert took < 10, took
+    assert "node rank 1" in stderr and "left the job" in stderr, stderr
+    nodes[1].communicate(timeout=30)
+    assert nodes[1].returncode == 128 + signal.SIGTERM

@@ -59,6 +59,7 @@ from elastic.plugins.rdzv_static.store import (
 log = logging.getLogger(__name__)
 
 _CLOSED_MARKER = json.dumps({"closed": True})
+LEFT = "rdzv/left"  # a node that was signalled: the job cannot go on without it
 # Several handlers may live in one process (tests, embedding): keep node ids distinct.
 _local_ids = itertools.count()
 
@@ -134,6 +135,18 @@ class StaticRendezvousHandler(RendezvousHandler):
             ) from None
         if store.check([CLOSED]):
             raise RendezvousClosedError(f"the static rendezvous of run {self.run_id!r} is closed")
+        self._raise_if_a_node_left(store)
+
+    def _raise_if_a_node_left(self, store: Store) -> None:
+        if not store.check([LEFT]):
+            return
+        who = load_json(store, LEFT, self.prefix)
+        who = who if isinstance(who, dict) else {}
+        raise RendezvousError(
+            f"node rank {who.get('rank')} ({who.get('host')}) left the job; a static job has "
+            "fixed membership and cannot go on without it (for a job that survives departures "
+            "use --rdzv-backend=c10d or etcd-v3 with --nnodes=MIN:MAX)"
+        )
 
     # -- RendezvousHandler --------------------------------------------------------
 
@@ -249,6 +262,28 @@ class StaticRendezvousHandler(RendezvousHandler):
                     store.compare_set(round_key(round_, name), "", _CLOSED_MARKER)
         except (RendezvousConnectionError, StoreTimeoutError) as exc:
             log.warning("could not mark the static rendezvous closed: %s", exc)
+
+    def leave(self) -> None:
+        """We were signalled: tell the others so they end at once instead of waiting for
+        us in the next round until the rendezvous timeout."""
+        store = self._store
+        if store is None or self.read_only:
+            return
+        try:
+            store.compare_set(LEFT, "", json.dumps({"rank": self.rank, "host": self.host}))
+            current = (store.add(ARRIVALS, 0) - 1) // self.world_size
+            for round_ in range(max(current, 0), current + 2):  # wake a waiting round
+                for name in ("complete", "assignment"):
+                    store.compare_set(round_key(round_, name), "", _CLOSED_MARKER)
+        except (RendezvousConnectionError, StoreTimeoutError) as exc:
+            log.warning("could not record this node's departure: %s", exc)
+
+    def lost_nodes(self) -> list[str]:
+        """A node that left (``leave``); static has no heartbeats to find a crashed one."""
+        if self._store is None or self._round is None or not self._store.check([LEFT]):
+            return []
+        who = load_json(self._store, LEFT, self.prefix)
+        return [f"rank {who.get('rank')}" if isinstance(who, dict) else "a node"]
 
     def num_nodes_waiting(self) -> int:
         """Nodes already waiting in the next round: another node's workers failed.
