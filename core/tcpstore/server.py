@@ -96,6 +96,9 @@ class TCPStoreServer:
             self._stopping = True
             self._wake_w.send(b"x")
         self._thread.join()
+        # Closed here, not by the loop: the loop may see _stopping and end before the
+        # byte above is sent, which must not then meet a closed socket.
+        self._wake_r.close()
         self._wake_w.close()
 
     def __enter__(self) -> TCPStoreServer:
@@ -122,7 +125,6 @@ class TCPStoreServer:
                 self._drop(conn)
             self._sel.close()
             self._listener.close()
-            self._wake_r.close()
 
     def _accept(self) -> None:
         # Level-triggered: whatever is left in the backlog is accepted next round.
