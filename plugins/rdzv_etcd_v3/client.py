@@ -68,9 +68,11 @@ class OutcomeUnknown(Exception):
 
 
 class _Transient(Exception):
-    def __init__(self, reason: str, refused: bool = False, sent: bool = True) -> None:
+    def __init__(self, reason: str, kind: str = "other", sent: bool = True) -> None:
         super().__init__(reason)
-        self.refused = refused  # the member's host answered that nothing listens
+        # "refused": the member's host answered that nothing listens; "tls-dropped": the
+        # member closed the TLS handshake without a word (a crash, or no client cert).
+        self.kind = kind
         self.sent = sent  # the request may have reached the server
 
 
@@ -159,9 +161,10 @@ class EtcdV3Client:
 
     def _member(self) -> tuple[int, str]:
         with self._lock:
-            host, port = self.members[self._current]
+            index = self._current
+        host, port = self.members[index]
         host = f"[{host}]" if ":" in host else host
-        return self._current, f"{self.config.protocol}://{host}:{port}"
+        return index, f"{self.config.protocol}://{host}:{port}"
 
     def _rotate(self, failed: int) -> None:
         with self._lock:
@@ -195,14 +198,18 @@ class EtcdV3Client:
 
     def _classify(self, exc: BaseException) -> Exception:
         chain = list(_chain(exc))
-        if any(isinstance(e, ssl.SSLError | urllib3.exceptions.SSLError) for e in chain):
+        tls = any(isinstance(e, ssl.SSLError | urllib3.exceptions.SSLError) for e in chain)
+        dropped = any(isinstance(e, ssl.SSLEOFError | ConnectionError) for e in chain)
+        if tls and not dropped:  # a certificate refused, a file missing: retrying won't help
             return EtcdV3AuthError(
                 f"TLS connection to etcd at {self.url} failed: {_one_line(exc)} "
                 "(check the CA/cert/key files in --rdzv-conf)"
             )
-        refused = any(isinstance(e, ConnectionRefusedError) for e in chain)
+        kind = "tls-dropped" if tls else "other"
+        if any(isinstance(e, ConnectionRefusedError) for e in chain):
+            kind = "refused"
         sent = not isinstance(exc, urllib3.exceptions.ConnectTimeoutError)
-        return _Transient(_one_line(exc), refused=refused, sent=sent)
+        return _Transient(_one_line(exc), kind=kind, sent=sent)
 
     def _raise_for(self, status: int, data: dict[str, Any], path: str) -> None:
         message = " ".join(str(data.get("error") or data.get("message") or "").split())
@@ -259,7 +266,7 @@ class EtcdV3Client:
         limit = self.config.retry_timeout if retry_for is None else retry_for
         deadline = time.monotonic() + limit
         delay, tried = 0.05, 0
-        refused: set[int] = set()  # members whose last failure was a refused connection
+        streaks: dict[int, tuple[str, int]] = {}  # member -> its last failure kind, in a row
         token = self._authenticate(None) if auth else None
         reauthenticated = False
         while True:
@@ -276,15 +283,18 @@ class EtcdV3Client:
                 continue
             except _Transient as exc:
                 self._rotate(index)
-                if exc.refused:
-                    refused.add(index)
-                else:
-                    refused.discard(index)
+                kind, times = streaks.get(index, (exc.kind, 0))
+                streaks[index] = (exc.kind, times + 1 if kind == exc.kind else 1)
+                if self._every_member(streaks, "tls-dropped", 2):
+                    raise EtcdV3AuthError(
+                        f"etcd at {self.url} closed every TLS handshake: does it require a "
+                        "client certificate? (--rdzv-conf ssl_cert/ssl_cert_key)"
+                    ) from None
                 if exc.sent and not idempotent:
                     raise OutcomeUnknown(str(exc)) from None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    gone = len(refused) == len(self.members)
+                    gone = self._every_member(streaks, "refused", 1)
                     error = RendezvousStoreGoneError if gone else RendezvousConnectionError
                     raise error(
                         f"cannot reach etcd at {self.url} (retried for {limit:g}s): {exc}"
@@ -294,6 +304,12 @@ class EtcdV3Client:
                 if tried % len(self.members) == 0:
                     time.sleep(min(delay, remaining))
                     delay = min(delay * 2, 1.0)
+
+    def _every_member(self, streaks: dict[int, tuple[str, int]], kind: str, times: int) -> bool:
+        """Every member's last ``times`` failures were of ``kind`` (a crash mid-handshake
+        is one failure on one member, a refusal of our setup is the same everywhere)."""
+        last = [streaks.get(i, ("", 0)) for i in range(len(self.members))]
+        return all(k == kind and n >= times for k, n in last)
 
     def watch(
         self, key: bytes, range_end: bytes, start_revision: int, timeout: float

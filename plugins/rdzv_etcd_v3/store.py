@@ -25,9 +25,9 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from elastic.core.rendezvous import (
     RendezvousConnectionError,
@@ -47,7 +47,6 @@ from elastic.plugins.rdzv_etcd_v3.client import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # --rdzv-conf keys that configure the connection (both backends' TLS spellings).
 CONNECTION_KEYS = (
@@ -131,15 +130,16 @@ class _Lease:
                 reply = self._client.call(
                     "lease/keepalive", {"ID": str(lease)}, retry_for=beat, timeout=beat
                 )
+                expired = int(reply.get("result", {}).get("TTL", 0)) <= 0  # no TTL: no lease
+            except LeaseNotFoundError:
+                expired = True
             except RendezvousError as exc:
                 if not failing:
                     log.warning("etcd lease keepalive failing (will retry): %s", exc)
                 failing = True
                 continue
             failing = False
-            if self._stop.is_set():
-                return
-            if int(reply.get("result", {}).get("TTL", 0)) <= 0:  # etcd: "no such lease"
+            if expired and not self._stop.is_set():
                 try:
                     self.replace(lease)
                 except RendezvousError as exc:  # the next operation grants instead
@@ -222,13 +222,6 @@ class EtcdV3Store:
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    def _leased(self, attempt: Callable[[int], T]) -> T:
-        lease = self._conn.lease.current()
-        try:
-            return attempt(lease)
-        except LeaseNotFoundError:  # expired before the keeper noticed: nothing was written
-            return attempt(self._conn.lease.replace(lease))
-
     def _read(self, keys: Sequence[str]) -> tuple[dict[str, dict[str, Any]], int]:
         """Full key -> key-value for the keys that exist, and the revision of the read."""
         full = [self._k(k) for k in keys]
@@ -250,7 +243,12 @@ class EtcdV3Store:
 
     def heartbeat(self, key: str, value: bytes | str) -> None:
         body = {"key": b64(self._k(key)), "value": b64(_bytes(value))}
-        self._leased(lambda lease: self._client().call("kv/put", {**body, "lease": str(lease)}))
+        lease = self._conn.lease.current()
+        try:
+            self._client().call("kv/put", {**body, "lease": str(lease)})
+        except LeaseNotFoundError:  # expired before the keeper noticed: nothing was written
+            lease = self._conn.lease.replace(lease)
+            self._client().call("kv/put", {**body, "lease": str(lease)})
 
     def get(self, key: str) -> bytes:
         return unb64(self._await([key], None)[self._k(key)].get("value"))
