@@ -2,53 +2,49 @@
 
 For backend authors
 -------------------
-Request the ``cluster_factory`` fixture (exposed by ``tests/conftest.py``; elsewhere use
-``pytest_plugins = ["elastic.testing.cluster"]``) and build hosts with it::
+Request the ``cluster_factory`` fixture (in ``tests/`` it comes with ``conftest.py``;
+elsewhere add ``pytest_plugins = ["elastic.testing.cluster"]``)::
 
     @pytest.mark.timeout(60)
     def test_job_survives_a_lost_node(cluster_factory):
         cluster = cluster_factory(3)
         a, b, c = cluster.hosts
-        server = a.popen(["python", "-m", "my_backend.server"], stdout=subprocess.PIPE)
-        ...                       # start agents on b and c against f"{a.name}:29400"
-        cluster.cut(c)            # c's processes run on, its packets vanish (no RST)
-        ...                       # assert the job re-forms with a and b
+        store = a.popen(["python", "-m", "my_backend.server"], stdout=subprocess.PIPE)
+        ...                   # start agents on b and c against f"{a.name}:29400"
+        cluster.cut(c)        # c's processes run on, its packets vanish (no RST)
+        ...                   # assert the job re-forms with a and b
         cluster.heal(c)
 
-Each host is a network namespace with its own hostname (a persistent UTS namespace), one
-interface ``eth0`` with an address from 198.18.0.0/15 (a /24 per cluster), an
-``/etc/hosts`` that names every host and a resolver that fails at once instead of asking
-the outside world. ``localhost`` is the host's own loopback. Hosts are wired to a bridge in
-a separate "switch" namespace, so the machine's own networking is never touched.
+Each host is a network namespace with a hostname of its own (``host.name``), one interface
+``eth0`` with ``host.addr`` from 198.18.0.0/15 (a /24 per cluster, no other address), an
+``/etc/hosts`` naming every host and a resolver that fails at once rather than ask the
+outside world; ``localhost`` is its own loopback. The hosts hang off a bridge in a "switch"
+namespace, so the machine's own network is never touched. Neighbour (ARP) entries are
+static: a lost peer never fails a connect fast with "no route to host", packets vanish.
 
-- ``host.popen(cmd, **kwargs)`` / ``host.run(cmd, timeout=...)`` run a command on the host
-  in its own session, inheriting the environment unless ``env=`` is given.
-  ``host.processes()`` lists what runs there; ``host.kill()`` SIGKILLs all of it, also
-  processes that started their own session.
-- ``cluster.cut(host)`` pulls the host's cable at the switch: its ``eth0`` loses carrier,
-  nothing reaches it and nothing leaves it, connects to it time out. ``cluster.heal(host)``
-  plugs it back; established TCP connections resume on the next retransmission (which
-  exponential backoff can put seconds after the heal).
-- ``cluster.partition([a], [b, c])`` drops traffic between the groups at the switch while
-  every link stays up; ``cluster.heal()`` with no host undoes every cut and partition.
-- ``cluster.latency(host, delay_ms, jitter_ms, loss_pct)`` delays (and drops) what the
-  host sends; ``cluster.clear_latency(host)`` removes it. This uses ``tc netem`` when the
-  kernel has it and otherwise a small relay process in the switch namespace
-  (``shaper="relay"`` forces it). Jitter can reorder packets, as netem's does.
+- ``host.popen(cmd, **kwargs)``, ``host.run(cmd, timeout=...)``: run on the host in a new
+  session, with this environment unless ``env=`` says otherwise. ``host.processes()``
+  lists what runs there, ``host.kill()`` SIGKILLs it all (also processes that left the
+  session).
+- ``cluster.cut(host)`` pulls the host's cable at the switch (its ``eth0`` loses carrier);
+  ``cluster.heal(host)`` plugs it back. Established TCP connections survive a cut: they
+  stall and resume on the next retransmission, which backoff may put seconds after heal.
+- ``cluster.partition([a], [b, c])`` drops traffic between the groups, links staying up;
+  ``cluster.heal()`` undoes every cut and partition.
+- ``cluster.latency(host, delay_ms, jitter_ms, loss_pct)`` delays (and drops) what the host
+  sends, ``cluster.clear_latency(host)`` stops it: ``tc netem`` if the kernel has it, else a
+  relay process in the switch (``Cluster(n, shaper="relay")`` forces it).
 
-Neighbours (ARP) are static, so a cut or partitioned peer never makes a connect fail fast
-with "no route to host": like on a routed network, packets just disappear.
-
-Everything a cluster created (processes, namespaces, veths, ``/etc/netns`` directories) is
-removed at fixture teardown or on leaving ``with Cluster(n) as cluster:``, also when the
-test raised. Namespaces are named ``elc<pid>c<n>...`` after the creating process; leftovers
-of a process that died without cleaning up are swept when the next cluster is made. Needs
-root, iproute2 and util-linux; ``cluster_available()`` says why not, and the fixture skips
-(fails under ``CI``) when it cannot run.
+A cluster removes all it made (processes, namespaces, veths, ``/etc/netns`` entries) at
+fixture teardown or leaving ``with Cluster(n) as cluster:``, also after an exception. Its
+namespaces are named ``elc<pid>...`` after the creating process: what a crashed run left
+behind is swept by the next cluster. Needs root, iproute2 and util-linux;
+``cluster_available()`` says why not, and the fixture then skips (fails if ``CI`` is set).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import heapq
@@ -67,7 +63,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -86,30 +82,17 @@ class ClusterError(RuntimeError):
     pass
 
 
-def _run(cmd: Sequence[str], stdin: str | None = None) -> str:
+def _run(cmd: Sequence[str], stdin: str | None = None, check: bool = True) -> None:
+    """``check=False`` is for cleanup, where what is removed may already be gone."""
     proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         error = " ".join(proc.stderr.split())
         raise ClusterError(f"`{' '.join(cmd[:6])}...` failed: {error}")
-    return proc.stdout
-
-
-def _quiet(cmd: Sequence[str]) -> None:
-    """Best-effort cleanup step: whatever it removes may already be gone."""
-    subprocess.run(cmd, capture_output=True, timeout=30)
 
 
 def _batch(tool: str, netns: str, lines: list[str]) -> None:
     """Run ``ip``/``tc`` command lines in ``netns`` with one process."""
     _run([tool, "-n", netns, "-batch", "-"], stdin="\n".join(lines) + "\n")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _netns_id(netns: str) -> tuple[int, int] | None:
@@ -167,7 +150,7 @@ def _probe() -> tuple[bool, str, bool]:
     except (ClusterError, OSError) as exc:
         return False, f"cannot build a network-namespace cluster: {exc}", False
     finally:
-        _quiet(["ip", "netns", "del", netns])
+        _run(["ip", "netns", "del", netns], check=False)
 
 
 def cluster_available() -> tuple[bool, str]:
@@ -183,22 +166,19 @@ def sweep_stale() -> list[str]:
     """Remove namespaces, hosts files and UTS mounts whose creating process is dead, killing
     what still runs in them; returns the namespace names removed."""
     removed = []
-    names = os.listdir(NETNS_DIR) if NETNS_DIR.is_dir() else []
-    for name in names:
-        match = _NAME.match(name)
-        if match and not _alive(int(match["pid"])):
-            _signal(_pids_in(_netns_id(name)), signal.SIGKILL)
-            _quiet(["ip", "netns", "del", name])
-            removed.append(name)
-    for directory in ETC_NETNS.glob("elc*"):
-        match = _NAME.match(directory.name)
-        if match and not _alive(int(match["pid"])):
-            shutil.rmtree(directory, ignore_errors=True)
-    for uts in STATE_DIR.glob("elc*.uts"):
-        match = _NAME.match(uts.stem)
-        if match and not _alive(int(match["pid"])):
-            _quiet(["umount", "-l", str(uts)])
-            uts.unlink(missing_ok=True)
+    for path in [*NETNS_DIR.glob("elc*"), *ETC_NETNS.glob("elc*"), *STATE_DIR.glob("elc*")]:
+        match = _NAME.match(path.name.removesuffix(".uts"))
+        if not match or _running(int(match["pid"])):
+            continue
+        if path.parent == NETNS_DIR:
+            _signal(_pids_in(_netns_id(path.name)), signal.SIGKILL)
+            _run(["ip", "netns", "del", path.name], check=False)
+            removed.append(path.name)
+        elif path.parent == ETC_NETNS:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _run(["umount", "-l", str(path)], check=False)
+            path.unlink(missing_ok=True)
     return removed
 
 
@@ -239,7 +219,8 @@ class Host:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
         result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
@@ -277,26 +258,18 @@ class Host:
                 raise ClusterError(f"{self.name}: {self.processes()} survived SIGKILL")
             time.sleep(0.02)
 
-    def close_pipes(self) -> None:
-        for proc in self._procs:
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-
 
 class Cluster:
     """``n_hosts`` hosts on one bridge; a context manager, also usable without ``with``
     (then call ``close()``). ``shaper`` picks how ``latency`` works: "netem", "relay" or
     "auto" (netem when the kernel has it)."""
 
-    def __init__(self, n_hosts: int, *, shaper: str = "auto") -> None:
+    def __init__(self, n_hosts: int, *, shaper: Literal["auto", "netem", "relay"] = "auto") -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts must be 1..250, got {n_hosts}")
         if shaper == "auto":
             shaper = "netem" if netem_available() else "relay"
-        if shaper not in ("netem", "relay"):
-            raise ValueError(f"shaper must be 'auto', 'netem' or 'relay', got {shaper!r}")
-        if shaper == "netem" and not netem_available():
+        elif shaper == "netem" and not netem_available():
             raise ClusterError("this kernel has no tc netem (sch_netem); use shaper='relay'")
         self.shaper = shaper
         self.tag = f"elc{os.getpid()}c{next(_clusters)}"
@@ -330,7 +303,9 @@ class Cluster:
             fcntl.flock(lock, fcntl.LOCK_EX)
             names = os.listdir(NETNS_DIR) if NETNS_DIR.is_dir() else []
             taken = {m["subnet"] for m in map(_NAME.match, names) if m and m["subnet"]}
-            index = next(i for i in range(512) if str(i) not in taken)
+            index = next((i for i in range(512) if str(i) not in taken), None)
+            if index is None:
+                raise ClusterError("all 512 /24 subnets of 198.18.0.0/15 are in use")
             self.switch = f"{self.tag}s{index}"
             _run(["ip", "netns", "add", self.switch])
         self.subnet = ipaddress.ip_network((int(SUPERNET.network_address) + 256 * index, 24))
@@ -375,7 +350,7 @@ class Cluster:
 
     def heal(self, host: Host | None = None) -> None:
         """Undo ``cut(host)``; without a host, undo every cut and every partition."""
-        ports = [host] if host else self.hosts
+        ports = self.hosts if host is None else [host]
         _batch("ip", self.switch, [f"link set p{h.index} up" for h in ports])
         if host is None and self._partitioned:
             dels = [f"filter del dev p{i} parent ffff: pref 1" for i in self._partitioned]
@@ -445,15 +420,18 @@ class Cluster:
                 host.kill()
             except ClusterError as exc:
                 failures.append(str(exc))
-            host.close_pipes()
+            for proc in host._procs:
+                for stream in (proc.stdin, proc.stdout, proc.stderr):
+                    if stream is not None:
+                        stream.close()
         _signal(_pids_in(_netns_id(self.switch)), signal.SIGKILL)  # delay relays
         for relay in self._shaped.values():
             if relay is not None:
                 relay.communicate()
         for netns in self.namespaces:  # taking the veths with them
-            _quiet(["ip", "netns", "del", netns])
+            _run(["ip", "netns", "del", netns], check=False)
         for host in self.hosts:
-            _quiet(["umount", "-l", str(host.uts)])
+            _run(["umount", "-l", str(host.uts)], check=False)
             host.uts.unlink(missing_ok=True)
             shutil.rmtree(ETC_NETNS / host.netns, ignore_errors=True)
         if failures:

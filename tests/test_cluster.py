@@ -261,7 +261,7 @@ def test_sweep_removes_leftovers_of_a_dead_creator_only(cluster_factory: Make) -
     try:
         stale_ns = os.stat(f"/run/netns/{stale}").st_ino
         assert wait_until(lambda: os.stat(f"/proc/{orphan.pid}/ns/net").st_ino == stale_ns)
-        assert stale in sweep_stale()
+        sweep_stale()  # (a concurrent cluster's own sweep may beat this one to it)
         assert orphan.wait(timeout=10) != 0
         assert stale not in netns_list() and not (ETC_NETNS / stale).exists()
         assert set(live.namespaces) <= netns_list()
