@@ -334,8 +334,7 @@ def test_a_request_in_many_pieces_is_parsed_once() -> None:
 
 
 def raw(port: int) -> socket.socket:
-    sock = socket.create_connection((HOST, port), timeout=10)
-    return sock
+    return socket.create_connection((HOST, port), timeout=10)
 
 
 def handshaken(port: int) -> socket.socket:
@@ -371,8 +370,11 @@ def test_garbage_drops_that_connection_only(
     with raw(server.port) as bad:
         bad.sendall(garbage)
         received = b""
-        while chunk := bad.recv(4096):  # the server closes it: EOF (or a reset)
-            received += chunk
+        try:
+            while chunk := bad.recv(4096):  # until the server closes it
+                received += chunk
+        except ConnectionResetError:
+            pass  # closed with unread bytes: a reset instead of an EOF, dropped all the same
     assert len(received) <= 4  # at most the PING answer
     responsive(good)
     responsive(connect(server.port))
