@@ -123,6 +123,10 @@ def build_config(
         raise bad("--max-restarts", f"{opts['max_restarts']} is negative; expected 0 or more")
     if opts["monitor_interval"] <= 0:
         raise bad("--monitor-interval", "expected a positive number of seconds")
+    if opts["stall_timeout"] is not None and not opts["stall_timeout"] > 0:
+        raise bad("--stall-timeout", "expected a positive number of seconds")
+    if opts["health_port"] is not None and not 1 <= opts["health_port"] <= 65535:
+        raise bad("--health-port", f"{opts['health_port']} is not a port; expected 1..65535")
     standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
     factory = None
     if not standalone:
@@ -193,6 +197,8 @@ def build_config(
         duplicate_stdout_filters=split_filters(opts["duplicate_stdout_filters"]),
         duplicate_stderr_filters=split_filters(opts["duplicate_stderr_filters"]),
         plugin_options=dict(plugin_options or {}),
+        stall_timeout=opts["stall_timeout"],
+        health_port=opts["health_port"],
     )
     return config, entrypoint, args, factory
 
@@ -271,6 +277,19 @@ def build_config(
 )
 @flag("--logs-specs", default=None, help="Only the default log layout is provided.")
 @flag("--numa-binding", default=None, help="Not provided; rejected with an error.")
+@flag(
+    "--stall-timeout",
+    type=float,
+    default=None,
+    help="Restart the job when a worker makes no progress for SECONDS (default: off).",
+)
+@flag(
+    "--health-port",
+    type=int,
+    default=None,
+    envvar=["PET_HEALTH_PORT", "TORCHELASTIC_HEALTH_CHECK_PORT"],
+    help="Serve /healthz, /readyz and /metrics over HTTP on this port.",
+)
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -283,6 +302,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     under each plugin's name).
     """
     config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
+    from elastic.core.health import HealthPortError
     from elastic.core.launcher import launch
     from elastic.core.rendezvous import RendezvousConfigError, RendezvousError
 
@@ -290,7 +310,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
         result = launch(
             config, entrypoint, args, plugin_host=plugin_host(ctx), handler_factory=factory
         )
-    except RendezvousConfigError as exc:
+    except (RendezvousConfigError, HealthPortError) as exc:
         raise click.UsageError(str(exc)) from None
     except RendezvousError as exc:
         click.echo(f"elastic run: error: {exc}", err=True)

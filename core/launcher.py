@@ -54,6 +54,8 @@ class LaunchConfig:
     duplicate_stderr_filters: tuple[str, ...] = ()
     rdzv_timeout: int = -1  # torch's field: seconds a rendezvous may take (-1: the backend's)
     plugin_options: dict[str, Any] = field(default_factory=dict)  # by dest, see elastic_addoption
+    stall_timeout: float | None = None  # --stall-timeout SECONDS (core/stall.py); None: off
+    health_port: int | None = None  # --health-port PORT (core/health.py); None: off
 
 
 def run_script_path(script: str, *args: str) -> None:
@@ -117,6 +119,8 @@ def make_spec(
         virtual_local_rank=config.virtual_local_rank,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
+        stall_timeout=config.stall_timeout,
+        health_port=config.health_port,
     )
 
 
