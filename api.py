@@ -66,7 +66,9 @@ class ChildFailedError(RuntimeError):
         if not self.failures:
             return f"{self.name} failed: {self.message or 'no worker failure was recorded'}"
         rank, first = self.get_first_failure()
-        how = f"was killed by {first.signal}" if first.signal else f"exited with {first.exit_code}"
+        how = f"exited with code {first.exit_code}"
+        if first.signal:
+            how = f"was killed by {first.signal}"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first.timestamp))
         detail = first.message.strip().splitlines()[-1] if first.message.strip() else ""
         others = len(self.failures) - 1
