@@ -137,9 +137,9 @@ def _write(hook, payload):
         f.write(json.dumps({"hook": hook, "payload": payload}) + "\\n")
 
 @hookimpl
-def elastic_agent_start(spec, settings):
-    _write("elastic_agent_start", {"role": spec.role, "settings": {
-        k: v for k, v in settings.items() if isinstance(v, (str, int, type(None)))}})
+def elastic_agent_start(spec, config):
+    _write("elastic_agent_start", {"role": spec.role, "options": {
+        k: v for k, v in config.plugin_options.items() if isinstance(v, (str, int, type(None)))}})
 
 @hookimpl
 def elastic_worker_failed(record):
@@ -180,7 +180,7 @@ def test_e2e_third_party_plugin_receives_hooks(tmp_path: Path) -> None:
     calls = hook_calls(out)
     names = [c["hook"] for c in calls]
     assert names[0] == "elastic_agent_start" and names[-1] == "elastic_run_failed"
-    assert calls[0]["payload"]["settings"]["error_summary"] == str(tmp_path / "summary.json")
+    assert calls[0]["payload"]["options"]["error_summary"] == str(tmp_path / "summary.json")
     failed = [c["payload"] for c in calls if c["hook"] == "elastic_worker_failed"]
     assert [f["rank"] for f in failed] == [1]  # the stopped rank 0 is not reported
     assert failed[0]["message"] == "ValueError: rank one is broken"
