@@ -326,12 +326,20 @@ def test_cluster_loses_its_leader_mid_test(etcd_v3_cluster: EtcdCluster, stores:
             slowest[0] = max(slowest[0], time.monotonic() - t0)
         return got
 
-    with ThreadPoolExecutor(4) as pool:
+    def wait_across_the_kill() -> float:
+        store.wait(["after"], timedelta(seconds=30))  # watching the member that dies
+        return time.monotonic()
+
+    with ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(bump, i) for i in range(4)]
+        waiter = pool.submit(wait_across_the_kill)
         time.sleep(1.0)
-        members[0].kill()  # the leader, and the member the store was talking to
+        members[0].kill()  # the leader, and the member `store` was talking to
         time.sleep(3.0)
         stop.set()
+        other.set("after", "1")
+        set_at = time.monotonic()
+        assert waiter.result(timeout=30) - set_at < 1.0, "the wait did not survive the kill"
         seen = [v for f in futures for v in f.result(timeout=60)]
     assert sorted(seen) == list(range(1, len(seen) + 1))  # exactly once, through the kill
     assert store.add("counter", 0) == len(seen)
