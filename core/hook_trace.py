@@ -24,7 +24,9 @@ _repr.maxother = 60
 
 
 def short(value: Any) -> str:
-    if isinstance(value, str | int | float | bool | type(None) | list | tuple | dict):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str | int | bool | type(None) | list | tuple | dict):
         return _repr.repr(value)
     return f"<{type(value).__name__}>"
 

@@ -133,9 +133,7 @@ def plugin_option_values(host: PluginHost, given: dict[str, Any]) -> dict[str, A
     """Every plugin option's value: ``given`` (checked and converted) over the defaults.
 
     A name no installed plugin declares is a ValueError listing the known ones."""
-    from elastic.core.plugin_options import PluginOptionParser
-
-    options = {o.dest: o for o in host.add_options(PluginOptionParser())}
+    options = {o.dest: o for o in host.options()}
     unknown = sorted(set(given) - set(options))
     if unknown:
         known = ", ".join(sorted(options)) or "none"

@@ -65,6 +65,7 @@ class PluginHost:
         self._objects: dict[str, object] = {}  # name -> the plugin object itself
         self._record_of: dict[str, PluginRecord] = {}
         self._loaded = not autoload
+        self._options: list[PluginOption] | None = None
         self._lock = threading.RLock()
         if trace is None:
             trace = os.environ.get(TRACE_ENV, "") not in {"", "0"}
@@ -174,13 +175,17 @@ class PluginHost:
     call_strict = call
 
     def add_options(self, parser: PluginOptionParser) -> list[PluginOption]:
-        """Let every plugin add its options; those of plugins that failed are left out."""
+        """Let every plugin add its options to ``parser`` (``elastic_addoption``); those
+        of plugins that failed are left out. The answer is kept for ``options``."""
         self.call("elastic_addoption", parser=parser)
-        return parser.for_plugins(self.pm.has_plugin)
+        self._options = parser.for_plugins(self.pm.has_plugin)
+        return self._options
 
-    def option_defaults(self) -> dict[str, Any]:
-        """Every plugin option's default, by dest (for launches that skip the CLI)."""
-        return {o.dest: o.default for o in self.add_options(PluginOptionParser())}
+    def options(self) -> list[PluginOption]:
+        """The plugins' options: asked once per host, so each plugin adds them once."""
+        if self._options is None:
+            return self.add_options(PluginOptionParser())
+        return [o for o in self._options if self.pm.has_plugin(o.plugin)]
 
     def worker_env(self, config: ElasticConfig) -> dict[str, str]:
         """The merged answers of ``elastic_worker_env``; the first plugin called wins."""

@@ -18,7 +18,7 @@ BAD_INPUTS = [
     (["--nproc-per-node=-1"], "positive integer"),
     (["--nproc-per-node=abc"], "expected a positive integer, auto, cpu or gpu"),
     (["--rdzv-backend=c10d", "--rdzv-endpoint=host:notaport"], "'notaport' is not a port"),
-    (["--rdzv-backend=nope"], "known backends: c10d, etcd, etcd-v2, static"),
+    (["--rdzv-backend=nope"], "unknown rendezvous backend 'nope'; known backends: c10d, etcd"),
     (["--max-restarts=-1"], "expected 0 or more"),
     (["--rdzv-conf=foo"], "is not KEY=VALUE"),
     (["-r", "7"], "expected one of 0 (none)"),
