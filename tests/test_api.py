@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_env
+from conftest import REPO, cli_env
 from elastic import (
     ChildFailedError,
     LaunchConfig,
@@ -199,3 +199,20 @@ def test_a_backend_registered_in_process_is_used_by_elastic_launch() -> None:
             register_rendezvous_handler("test-inprocess", lambda p: handler)
     finally:
         BACKENDS.unregister("test-inprocess")
+
+
+def test_the_readme_example_runs_as_written(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Using it from Python") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.py").write_text(code)
+    result = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        env=cli_env({"OMP_NUM_THREADS": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "{0: 30.0, 1: 30.0}"
