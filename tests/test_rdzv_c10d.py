@@ -23,8 +23,8 @@ from elastic.core.rendezvous import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from elastic.plugins.rdzv_c10d import create_handler
 from elastic.core.round import records as R
+from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.store import parse_endpoint
 
@@ -366,6 +366,18 @@ def test_store_host_dying_raises_connection_errors_quickly(make: Make, port: int
     finally:
         host.kill()
         host.wait()
+
+
+def test_a_store_that_comes_up_late_is_waited_for(make: Make, port: int) -> None:
+    """Agents start at once on their machines; the store's may listen last. Before first
+    contact, "connection refused" means "not up yet" (within read_timeout)."""
+    with ThreadPoolExecutor(1) as pool:
+        early = pool.submit(make, 2, is_host="false", read_timeout="5")
+        time.sleep(1.0)
+        assert not early.done()  # still waiting, not failed on "connection refused"
+        host = make(2)
+        assert host.is_hosting
+        rendezvous_all([early.result(timeout=10), host])
 
 
 def test_no_store_no_host_is_a_connection_error(port: int) -> None:

@@ -4,6 +4,7 @@ machine owns the endpoint's address hosts."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from elastic.core import net
@@ -21,10 +22,43 @@ from elastic.plugins.rdzv_c10d.store import (
 
 log = logging.getLogger(__name__)
 
+FIRST_CONTACT_PAUSE = 0.2  # s between attempts to reach a store that is not up yet
+
 
 def job_prefix(run_id: str) -> str:
     """Every key of a job lives under this: two run ids on one store never meet."""
     return f"elastic/{run_id}/"
+
+
+def first_contact(conn: Connection, prefix: str, limit: float) -> None:
+    """Connect now (fail early, and not inside a round), waiting for a store that is not
+    up yet: agents of one job start at the same time on their machines, and the one that
+    hosts the store may well be the last to listen. Before we ever reached it, "connection
+    refused" means "not started yet", not "gone"; after that, it is final (the monitor
+    thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
+    torch's TCPStore client, which retries a refused connect until its timeout)."""
+    deadline = time.monotonic() + limit
+    told = False
+    while True:
+        try:
+            conn.call("check", [prefix])
+            return
+        except RendezvousConnectionError as exc:  # refused (StoreGone) or no answer
+            if time.monotonic() + FIRST_CONTACT_PAUSE >= deadline:
+                raise RendezvousConnectionError(
+                    f"the c10d store at {conn.where} did not come up within "
+                    f"read_timeout={limit:g}s: {exc}"
+                ) from None
+            if not told:
+                log.warning(
+                    "waiting for the c10d store at %s to come up (%s); retrying for up "
+                    "to read_timeout=%gs",
+                    conn.where,
+                    str(exc).split(";")[0],
+                    limit,
+                )
+                told = True
+            time.sleep(FIRST_CONTACT_PAUSE)
 
 
 class C10dRendezvousHandler(RoundRendezvousHandler):
@@ -48,7 +82,10 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             probe(self.host, self.port)
         prefix = job_prefix(params.run_id)
         agent_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
-        agent_conn.call("check", [prefix])  # connect now: fail early, and not inside a round
+        if params.read_only:
+            agent_conn.call("check", [prefix])
+        else:
+            first_contact(agent_conn, prefix, settings.read_timeout)
         monitor_store = None
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
