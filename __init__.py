@@ -25,6 +25,8 @@ _LAZY = {
     "init_process_group": "elastic.training.dist:init_process_group",
     "put_metric": "elastic.core.metrics:put_metric",
     "heartbeat": "elastic.training.progress:heartbeat",
+    "checkpoint_requested": "elastic.training.preemption:checkpoint_requested",
+    "checkpoint_saved": "elastic.training.preemption:checkpoint_saved",
     # torch's programmatic API (torch.distributed.launcher.api and .elastic)
     "LaunchConfig": "elastic.core.launcher:LaunchConfig",
     "elastic_launch": "elastic.api:elastic_launch",

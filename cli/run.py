@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,13 @@ def build_config(
         raise bad("--stall-timeout", "expected a positive number of seconds")
     if opts["health_port"] is not None and not 1 <= opts["health_port"] <= 65535:
         raise bad("--health-port", f"{opts['health_port']} is not a port; expected 1..65535")
+    if not opts["preemption_grace"] >= 0:
+        raise bad("--preemption-grace", "expected a number of seconds >= 0 (0: leave at once)")
+    preemption_signal = opts["preemption_signal"].strip().upper()
+    if not preemption_signal.startswith("SIG"):
+        preemption_signal = "SIG" + preemption_signal
+    if not hasattr(signal, preemption_signal):
+        raise bad("--preemption-signal", f"{opts['preemption_signal']!r} is not a signal name")
     standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
     factory = None
     if not standalone:
@@ -143,6 +151,8 @@ def build_config(
         signals = parse_signals(opts["signals_to_handle"])
     except click.BadParameter as exc:
         raise bad("--local-ranks-filter/--signals-to-handle", exc.message) from None
+    if preemption_signal not in signals:  # the notice must reach the agent, not kill it
+        signals = (*signals, preemption_signal)
 
     try:
         allow_mismatch = parse_allowed(conf.pop("allow_mismatch", None))
@@ -199,6 +209,8 @@ def build_config(
         plugin_options=dict(plugin_options or {}),
         stall_timeout=opts["stall_timeout"],
         health_port=opts["health_port"],
+        preemption_signal=preemption_signal,
+        preemption_grace=opts["preemption_grace"],
     )
     return config, entrypoint, args, factory
 
@@ -289,6 +301,19 @@ def build_config(
     default=None,
     envvar=["PET_HEALTH_PORT", "TORCHELASTIC_HEALTH_CHECK_PORT"],
     help="Serve /healthz, /readyz and /metrics over HTTP on this port.",
+)
+@flag(
+    "--preemption-signal",
+    default="SIGTERM",
+    show_default=True,
+    help="The preemption notice: on it the whole job checkpoints, then this node leaves.",
+)
+@flag(
+    "--preemption-grace",
+    type=float,
+    default=25.0,
+    show_default=True,
+    help="Seconds the job may take to checkpoint on a preemption notice (0: leave at once).",
 )
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)

@@ -43,6 +43,7 @@ from elastic.core.logs import (
     start_tailer,
 )
 from elastic.core.plugins import PluginHost
+from elastic.core.preemption import ControlFile, Coordinator, wait_for_save
 from elastic.core.process import (
     Interrupted,
     SignalGuard,
@@ -123,6 +124,9 @@ class LocalElasticAgent(ElasticAgent):
         self._failures: dict[int, fail.FailureRecord] = {}
         # --stall-timeout, FileTimer server, --health-port (binds the port now)
         self._stall = StallWatchdog(spec)
+        # --preemption-signal/--preemption-grace: a coordinated checkpoint on notice
+        self._preempt_signum = getattr(signal, spec.preemption_signal, signal.SIGTERM)
+        self._coordinator: Coordinator | None = None
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -151,6 +155,8 @@ class LocalElasticAgent(ElasticAgent):
             with contextlib.suppress(Exception):
                 self._handler.shutdown()
             self._stall.close()
+            if self._coordinator is not None:
+                self._coordinator.control.close()
         self._group.state = result.state
         self._notify("elastic_run_end", result=result, duration=time.monotonic() - started)
         return result
@@ -158,6 +164,8 @@ class LocalElasticAgent(ElasticAgent):
     # --- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> RunResult:
         name = signal.Signals(signum).name
+        if signum == self._preempt_signum:
+            self._checkpoint_before_leaving(name)
         # Tell the job first: the survivors regroup while our workers wind down, and a
         # departure never spends the restart budget or looks like a finished node.
         with contextlib.suppress(Exception):
@@ -166,6 +174,41 @@ class LocalElasticAgent(ElasticAgent):
         message = f"the agent received {name}; its workers were stopped"
         print(f"elastic: {message}", file=sys.stderr, flush=True)
         return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
+
+    def _checkpoint_before_leaving(self, name: str) -> None:
+        """A preemption notice: the whole job checkpoints at its next step boundary, and
+        we leave once every node saved (or the grace ran out). Only for scripts that use
+        ``elastic.checkpoint_requested()``: the others would never save."""
+        coordinator, grace = self._coordinator, self._spec.preemption_grace
+        if coordinator is None or not self._workers or grace <= 0:
+            return
+        if not coordinator.control.listening():
+            return
+        world = self._group.group_world_size or 1
+        print(
+            f"elastic: {name}: preemption notice; the job checkpoints before this node "
+            f"leaves (--preemption-grace {grace:g}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            who = {"node": self._node_id, "host": socket.gethostname(), "at": time.time()}
+            coordinator.announce(who)
+        except RendezvousError:
+            return
+
+        def alive() -> bool:
+            return all(w.poll() is None for w in self._workers)
+
+        if wait_for_save(coordinator, world, grace, alive):
+            print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr)
+        else:
+            print(
+                "elastic: no complete checkpoint within the grace; leaving anyway (the job "
+                "resumes from its last complete checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # --- the loop -----------------------------------------------------------------------
     def _loop(self) -> RunResult:
@@ -267,6 +310,10 @@ class LocalElasticAgent(ElasticAgent):
             return f"cannot create the log directory: {exc}"
         extra = {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals), **spec.extra_env}
         self._attempts += 1
+        if self._coordinator is not None:  # each attempt starts with no request pending
+            self._coordinator.control.close()
+        coordinator = Coordinator(info.store, info.round, ControlFile(spec.local_world_size))
+        self._coordinator = coordinator
         try:
             for worker in group.workers:
                 logs = self._logs[worker.local_rank]
@@ -278,6 +325,7 @@ class LocalElasticAgent(ElasticAgent):
                     error_file=logs.error_file,
                 )
                 wvars.update(self._stall.worker_env(worker.local_rank, logs.error_file))
+                wvars.update(coordinator.control.worker_env())
                 args = substitute_args(spec.args, worker.local_rank)
                 proc = start_worker(spec, worker.local_rank, args, wvars, extra, logs)
                 worker.pid = proc.pid
@@ -328,6 +376,8 @@ class LocalElasticAgent(ElasticAgent):
                 return "job_failed", {}
             if watch.peer_failed:
                 return "peer_failed", {}  # a peer's workers failed this round
+            if watch.checkpoint_requested and self._coordinator is not None:
+                store_call(self._coordinator.relay)  # a node got a preemption notice
             mono = time.monotonic()
             if mono >= next_membership:
                 next_membership = mono + MEMBERSHIP_CHECK_INTERVAL

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from elastic.core import failures as fail
 from elastic.core.plugins import PluginHost
+from elastic.core.preemption import PREEMPT_KEY
 from elastic.core.process import Interrupted
 from elastic.core.rendezvous import (
     RendezvousConnectionError,
@@ -118,10 +119,12 @@ class JobWatch:
     def __init__(self, store: Store, round_: int, interval: float = 1.0) -> None:
         self._store = store
         self._claim = CLAIM_KEY.format(round_)
+        self._preempt = PREEMPT_KEY.format(round_)
         self._interval = interval
         self._stop = threading.Event()
         self.failed = False  # agent/failed is set: the job is over
         self.peer_failed = False  # a node claimed this round's restart
+        self.checkpoint_requested = False  # a node got a preemption notice this round
         self.error: Exception | None = None  # the store said it is gone
         self._thread = threading.Thread(target=self._run, name="job-watch", daemon=True)
         self._thread.start()
@@ -131,6 +134,10 @@ class JobWatch:
             try:
                 self.failed = bool(store_call(self._store.check, [FAILED_KEY]))
                 self.peer_failed = bool(store_call(self._store.check, [self._claim]))
+                if not self.checkpoint_requested:
+                    self.checkpoint_requested = bool(
+                        store_call(self._store.check, [self._preempt])
+                    )
             except RendezvousStoreGoneError as exc:
                 self.error = exc
                 return

@@ -56,6 +56,8 @@ class LaunchConfig:
     plugin_options: dict[str, Any] = field(default_factory=dict)  # by dest, see elastic_addoption
     stall_timeout: float | None = None  # --stall-timeout SECONDS (core/stall.py); None: off
     health_port: int | None = None  # --health-port PORT (core/health.py); None: off
+    preemption_signal: str = "SIGTERM"  # --preemption-signal (core/preemption.py)
+    preemption_grace: float = 25.0  # --preemption-grace SECONDS; 0: leave at once
 
 
 def run_script_path(script: str, *args: str) -> None:
@@ -121,6 +123,8 @@ def make_spec(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         stall_timeout=config.stall_timeout,
         health_port=config.health_port,
+        preemption_signal=config.preemption_signal,
+        preemption_grace=config.preemption_grace,
     )
 
 

@@ -58,6 +58,9 @@ class WorkerSpec:
     duplicate_stderr_filters: tuple[str, ...] = ()
     stall_timeout: float | None = None  # --stall-timeout: restart a job that stops progressing
     health_port: int | None = None  # --health-port: /healthz, /readyz, /metrics (core/health)
+    # --preemption-signal/--preemption-grace: a coordinated checkpoint on notice (core/preemption)
+    preemption_signal: str = "SIGTERM"
+    preemption_grace: float = 25.0
 
     def __post_init__(self) -> None:
         if self.local_world_size <= 0:
@@ -66,6 +69,8 @@ class WorkerSpec:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.monitor_interval <= 0:
             raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
+        if not self.preemption_grace >= 0:
+            raise ValueError(f"preemption_grace must be >= 0, got {self.preemption_grace}")
         if self.stall_timeout is not None and self.stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
+from elastic.training.preemption import checkpoint_requested, checkpoint_saved
 from elastic.training.progress import heartbeat
 from elastic.training.state import State
 
@@ -119,7 +120,10 @@ def train(
         except Exception as exc:
             error = exc
         heartbeat()  # a step ran: progress for the agent's --stall-timeout
-        any_failed, any_done = _all_reduce_max([error is not None, done])
+        # One all_reduce: did any rank fail, finish, or see a preemption notice?
+        any_failed, any_done, preempted = _all_reduce_max(
+            [error is not None, done, checkpoint_requested()]
+        )
         if any_failed:
             retries += 1
             if snapshot is None or retries > max_step_retries:
@@ -147,3 +151,9 @@ def train(
             heartbeat()  # a long save is progress too
         if any_done:
             return step
+        if preempted:  # every rank is at this same step: save it, then wait to re-form
+            if saver is not None and step != saved_at:
+                with timed("checkpoint.save", GROUP):
+                    saver.save(step, state.save)
+                saved_at = step
+            checkpoint_saved()
