@@ -10,11 +10,13 @@
    that timer, not by the stall timeout (``core/file_timer.py``).
 3. **CPU time**, for a script with none of the above: the user+system CPU seconds of
    the worker's process tree (``/proc/<pid>/stat`` of the worker and its descendants,
-   plus what its reaped children used), sampled every ``CPU_SAMPLE`` seconds. A sample
-   in which the tree used at least ``CPU_BUSY`` of one core is progress. A process
-   blocked in ``sleep``, a lock, a socket read or a gloo collective uses ~0 (a stray
-   clock tick now and then), a busy one ~100 %, so one long call that computes is never
-   mistaken for a hang. Once a worker has sent a heartbeat, only heartbeats and timer
+   plus what its reaped children used) and the time its threads waited for a CPU
+   (``/proc/<pid>/task/*/schedstat``), sampled every ``CPU_SAMPLE`` seconds. A sample in
+   which the tree ran or wanted to run for at least ``CPU_BUSY`` of one core is
+   progress. A process blocked in ``sleep``, a lock, a socket read or a gloo collective
+   scores ~0 (a stray clock tick now and then), a busy one ~100 % even on a machine so
+   loaded that it gets little CPU, so one long call that computes is never mistaken for
+   a hang. Once a worker has sent a heartbeat, only heartbeats and timer
    requests count for it: they say "a step finished", CPU only says "something ran"
    (a spinning data loader thread, NCCL's busy wait).
 
@@ -65,46 +67,53 @@ class ProgressFile:
             os.unlink(self.path)
 
 
-def _proc_cpu(pid: int) -> tuple[float, list[int]] | None:
-    """(CPU seconds of ``pid`` incl. its reaped children, its live children) or None."""
+def _proc_usage(pid: int) -> tuple[float, float, list[int]] | None:
+    """(CPU seconds of ``pid`` incl. its reaped children, seconds its threads waited for
+    a CPU, its live children), or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
     # fields[0] is field 3 (state): utime, stime, cutime, cstime are fields 14-17.
-    ticks = sum(int(v) for v in fields[11:15])
+    cpu = sum(int(v) for v in fields[11:15]) / _TICK
+    wait_ns = 0
     children: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         tasks = []
-    for tid in tasks:  # children forked by any thread of the process
-        try:
+    for tid in tasks:
+        try:  # "on-CPU ns, run-queue wait ns, timeslices"
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                wait_ns += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+        try:  # children forked by any thread of the process
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
                 children += [int(c) for c in f.read().split()]
         except OSError:
             continue
-    return ticks / _TICK, children
+    return cpu, wait_ns / 1e9, children
 
 
-def tree_cpu_seconds(pid: int) -> float | None:
-    """User+system CPU seconds of ``pid`` and every live descendant (None if gone)."""
-    first = _proc_cpu(pid)
+def tree_usage(pid: int) -> tuple[float, float] | None:
+    """(CPU seconds, CPU-wait seconds) of ``pid`` and every live descendant, or None."""
+    first = _proc_usage(pid)
     if first is None:
         return None
-    total, todo = first
+    cpu, wait, todo = first
     seen = {pid}
     while todo:
         child = todo.pop()
         if child in seen:
             continue
         seen.add(child)
-        got = _proc_cpu(child)
+        got = _proc_usage(child)
         if got is not None:
-            total += got[0]
-            todo += got[1]
-    return total
+            cpu, wait = cpu + got[0], wait + got[1]
+            todo += got[2]
+    return cpu, wait
 
 
 @dataclass
@@ -143,14 +152,15 @@ class WorkerProgress:
                 self.note("heartbeat", mono, when or None)
         if self._cpu_base is not None and mono - self._cpu_at < CPU_SAMPLE:
             return
-        cpu = tree_cpu_seconds(self.pid)
-        if cpu is None:
+        usage = tree_usage(self.pid)
+        if usage is None:
             return
+        busy = usage[0] + usage[1]  # ran, or wanted to run (a loaded machine)
         base, window = self._cpu_base, mono - self._cpu_at
-        self._cpu_base, self._cpu_at, self.cpu = cpu, mono, cpu
+        self._cpu_base, self._cpu_at, self.cpu = busy, mono, usage[0]
         if base is None or self.beats:
             return  # heartbeats, once seen, are the only judge of this worker
-        if cpu - base >= CPU_BUSY * window:
+        if busy - base >= CPU_BUSY * window:
             self.note("cpu", mono)
 
     def idle(self, mono: float) -> float:
