@@ -196,6 +196,8 @@ class RoundRendezvousHandler(RendezvousHandler):
             self.rdzv_store.set(R.hb_key(self.node_id), R.LEFT)
             if self._current is not None:
                 add_lost(self.rdzv_store, self._current.round, [self.node_id])
+        except RendezvousStoreGoneError:
+            pass  # no store, no job left to tell: the agent has said so in its own line
         except RendezvousError as exc:
             log.warning("%s rendezvous: could not record our departure: %s", self.backend, exc)
 

@@ -210,7 +210,9 @@ class Monitor:
                 # Final: corrupt state, or the store's host says the store is gone.
                 with self._lock:
                     self.error = exc
-                log.error("rendezvous heartbeat stopped: %s", exc)
+                # The agent reads ``error`` within a tick and says it in one line of its
+                # own; logging it here too would say it twice.
+                log.debug("rendezvous heartbeat stopped: %s", exc)
                 return
             except RendezvousConnectionError as exc:
                 # Unreachable: keep trying (a partition may heal); ``fenced`` tells the

@@ -32,7 +32,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ttl = 2 * settings.heartbeat_timeout
     job_store = store_from_params(params, prefix, ttl)
     job_store.check(["rdzv/round"])  # reach etcd now: one line if it cannot be reached
-    monitor_store = None if params.read_only else store_from_params(params, prefix, ttl)
+    # The monitor thread's own store. etcd holds a write proposed just before its leader
+    # died until its own request timeout (~6 s), though the new leader is elected in about
+    # a second: a tick waiting that long would fence every healthy node when one etcd member
+    # of three is lost. So each of its requests gives up on a member after a third of
+    # heartbeat_timeout (at least 1 s) and is retried on the next one.
+    attempt = max(1.0, settings.heartbeat_timeout / 3)
+    monitor_store = None if params.read_only else store_from_params(params, prefix, ttl, attempt)
     host, port = parse_endpoints(params.endpoint or "127.0.0.1")[0]
     return RoundRendezvousHandler(
         params,

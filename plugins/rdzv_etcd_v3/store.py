@@ -383,10 +383,13 @@ def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
     return default if value is None else value
 
 
-def store_from_params(params: RendezvousParameters, prefix: str, lease_ttl: float) -> EtcdV3Store:
+def store_from_params(
+    params: RendezvousParameters, prefix: str, lease_ttl: float, max_attempt: float | None = None
+) -> EtcdV3Store:
     """A store for ``--rdzv-endpoint h1:2379,h2:2379`` and the ``CONNECTION_KEYS`` of
     ``--rdzv-conf`` (``https://`` in the endpoint implies ``protocol=https``). Unknown
-    keys are the caller's to reject."""
+    keys are the caller's to reject. ``max_attempt`` caps ``read_timeout``: how long one
+    request may wait on one member before it is retried on the next."""
     endpoint = params.endpoint or f"127.0.0.1:{DEFAULT_PORT}"
     config = V3Config(
         endpoint=endpoint,
@@ -396,7 +399,7 @@ def store_from_params(params: RendezvousParameters, prefix: str, lease_ttl: floa
         key=params.get("ssl_cert_key") or params.get("key"),
         username=params.get("username"),
         password=params.get("password"),
-        read_timeout=_seconds(params, "read_timeout", 10.0),
+        read_timeout=min(_seconds(params, "read_timeout", 10.0), max_attempt or math.inf),
         retry_timeout=_seconds(params, "retry_timeout", 30.0),
     )
     return EtcdV3Store(config, prefix, lease_ttl=lease_ttl)
