@@ -23,6 +23,7 @@ from elastic.plugins.rdzv_c10d.store import (
 log = logging.getLogger(__name__)
 
 FIRST_CONTACT_PAUSE = 0.2  # s between attempts to reach a store that is not up yet
+FIRST_CONTACT_QUIET = 3.0  # s of waiting that are normal (the hosting agent is starting)
 
 
 def job_prefix(run_id: str) -> str:
@@ -37,7 +38,8 @@ def first_contact(conn: Connection, prefix: str, limit: float) -> None:
     refused" means "not started yet", not "gone"; after that, it is final (the monitor
     thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
     torch's TCPStore client, which retries a refused connect until its timeout)."""
-    deadline = time.monotonic() + limit
+    started = time.monotonic()
+    deadline = started + limit
     told = False
     while True:
         try:
@@ -49,7 +51,7 @@ def first_contact(conn: Connection, prefix: str, limit: float) -> None:
                     f"the c10d store at {conn.where} did not come up within "
                     f"read_timeout={limit:g}s: {exc}"
                 ) from None
-            if not told:
+            if not told and time.monotonic() - started >= FIRST_CONTACT_QUIET:
                 log.warning(
                     "waiting for the c10d store at %s to come up (%s); retrying for up "
                     "to read_timeout=%gs",
