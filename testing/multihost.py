@@ -1,0 +1,278 @@
+"""Real agents (ours or torchrun) and real etcd on a simulated cluster, for fault tests and
+the fault bench (``tests/test_faults.py``, ``bench/faults.py``).
+
+A ``FaultJob`` starts one launcher per host (``host.popen``), every agent's output going to
+``<workdir>/<host>.log``, with ``WORKER`` as the training script: each worker writes one
+JSON record when it starts (``start-<host>-<pid>.json``: wall time before any import, host,
+ranks, restart count, this round's master address) and then waits for the job's stop file,
+optionally all-reducing over gloo meanwhile (``gloo=True``). All hosts share one clock, so
+"the survivors' workers run again N s after the fault" is a difference of ``time.time()``
+values: the fault's and the first start record of a later round on every survivor.
+
+``start_etcd(hosts, workdir)`` runs an etcd member on each of ``hosts`` (their own
+addresses, ports 2379/2380) and returns once the cluster answers; it dies with its hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic.testing.cluster import ETC_NETNS, Cluster, Host
+from elastic.testing.etcd import ETCD_BINARY
+
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+C10D_PORT = 29400
+
+WORKER = """\
+import json, os, signal, socket, sys, time
+t0 = time.time()
+out = os.environ["FAULTS_OUT"]
+rec = {
+    "t": t0,
+    "host": socket.gethostname(),
+    "pid": os.getpid(),
+    "rank": int(os.environ["RANK"]),
+    "world": int(os.environ["WORLD_SIZE"]),
+    "group_rank": int(os.environ["GROUP_RANK"]),
+    "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+    "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"],
+}
+path = os.path.join(out, f"start-{rec['host']}-{rec['pid']}.json")
+with open(path + ".tmp", "w") as f:
+    json.dump(rec, f)
+os.rename(path + ".tmp", path)  # readers never see half a record
+print("WORKER", json.dumps(rec), flush=True)
+
+
+def on_sigterm(signum, frame):  # the agent stops us: record when
+    gone = dict(rec, t=time.time())
+    with open(os.path.join(out, f"stopped-{rec['host']}-{rec['pid']}.json"), "w") as f:
+        json.dump(gone, f)
+    os._exit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, on_sigterm)
+stop = os.path.join(out, "stop")
+if os.environ.get("FAULTS_GLOO") == "1":
+    import datetime
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(1)
+    while True:
+        dist.all_reduce(t)
+        flag = torch.tensor([float(os.path.exists(stop))])
+        dist.all_reduce(flag)  # everyone leaves the loop in the same step
+        if flag.item() > 0:
+            break
+        time.sleep(0.1)
+    dist.destroy_process_group()
+else:
+    while not os.path.exists(stop):
+        time.sleep(0.05)
+print("WORKER-DONE", rec["host"], flush=True)
+"""
+
+
+def launcher_cmd(impl: str) -> list[str]:
+    if impl == "ours":
+        return [sys.executable, "-m", "elastic", "run"]
+    if impl == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run"]
+    raise ValueError(f"launcher must be 'ours' or 'torchrun', got {impl!r}")
+
+
+@dataclass
+class Node:
+    host: Host
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+@dataclass
+class FaultJob:
+    """One job of ``nnodes`` agents of ``launcher`` over ``backend`` on ``cluster``.
+
+    ``endpoint`` is ``--rdzv-endpoint`` (a host name, e.g. ``f"{hosts[0].name}:29400"``);
+    ``conf`` the ``--rdzv-conf`` items; ``args`` any further launcher flags."""
+
+    cluster: Cluster
+    workdir: Path
+    backend: str
+    endpoint: str
+    launcher: str = "ours"
+    nnodes: str = "2:3"
+    conf: dict[str, Any] = field(default_factory=dict)
+    args: Sequence[str] = ()
+    gloo: bool = False
+    script: Path | None = None  # None: ``WORKER``
+    script_args: Sequence[str] = ()
+    run_id: str = "faults"
+    env: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        name_mapped_addresses(self.cluster)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.script is None:
+            self.script = self.workdir / "worker.py"
+            self.script.write_text(WORKER)
+        self.stop_file = self.workdir / "stop"
+
+    def command(self) -> list[str]:
+        conf = ",".join(f"{k}={v}" for k, v in self.conf.items())
+        return [
+            *launcher_cmd(self.launcher),
+            f"--nnodes={self.nnodes}",
+            "--nproc-per-node=1",
+            f"--rdzv-backend={self.backend}",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            *([f"--rdzv-conf={conf}"] if conf else []),
+            "--monitor-interval=0.1",
+            *self.args,
+            str(self.script),
+            *self.script_args,
+        ]
+
+    def start(self, host: Host) -> Node:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", FAULTS_OUT=str(self.workdir))
+        env["FAULTS_GLOO"] = "1" if self.gloo else "0"
+        env.update(self.env)
+        log = self.workdir / f"{host.name}.log"
+        with open(log, "ab") as out:
+            out.write(f"$ {shlex.join(self.command())}\n".encode())
+            out.flush()
+            proc = host.popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.nodes[host.name] = node = Node(host, proc, log)
+        return node
+
+    def starts(self) -> list[dict[str, Any]]:
+        """Every worker start so far, oldest first."""
+        records = []
+        for path in self.workdir.glob("start-*.json"):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(records, key=lambda r: r["t"])
+
+    def stops(self, host: Host) -> list[dict[str, Any]]:
+        """When ``host``'s workers were stopped by SIGTERM (their agent's), oldest first."""
+        records = []
+        for path in self.workdir.glob(f"stopped-{host.name}-*.json"):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(records, key=lambda r: r["t"])
+
+    def latest(self, host: Host) -> dict[str, Any] | None:
+        mine = [r for r in self.starts() if r["host"] == host.name]
+        return mine[-1] if mine else None
+
+    def running_together(self, hosts: Sequence[Host], since: float = 0.0) -> bool:
+        """Whether each of ``hosts`` started a worker after ``since`` and the latest ones
+        are all of one round (one master address) of exactly ``len(hosts)`` nodes."""
+        latest = [self.latest(h) for h in hosts]
+        if any(r is None or r["t"] <= since for r in latest):
+            return False
+        rounds = {(r["master"], r["world"]) for r in latest if r is not None}
+        return len(rounds) == 1 and next(iter(rounds))[1] == len(hosts)
+
+    def regroup_time(self, hosts: Sequence[Host], since: float) -> float:
+        """Seconds from ``since`` until the last of ``hosts`` started its worker of the
+        round they share now."""
+        return max(r["t"] for r in map(self.latest, hosts) if r is not None) - since
+
+    def texts(self) -> str:
+        return "\n".join(f"--- {name}\n{node.text()[-3000:]}" for name, node in self.nodes.items())
+
+    def finish(self) -> None:
+        self.stop_file.touch()
+
+
+def name_mapped_addresses(cluster: Cluster) -> None:
+    """Name every host's IPv4-mapped IPv6 address in the hosts' ``/etc/hosts`` as well.
+
+    torch's TCPStore (in the workers: gloo's rendezvous at MASTER_ADDR) uses dual-stack
+    sockets, so peers show up as ``::ffff:198.18.0.x``, and it reverse-resolves them for its
+    log lines; glibc's files backend does not map those to the IPv4 lines, asks DNS, and
+    torch warns "[c10d] The hostname of the client socket cannot be retrieved. err=-3"
+    on every connection. A real host with reverse DNS answers those queries; here the
+    hosts file does. Idempotent."""
+    for host in cluster.hosts:
+        hosts_file = ETC_NETNS / host.netns / "hosts"
+        text = hosts_file.read_text()
+        if "::ffff:" in text:
+            continue
+        mapped = "::ffff:127.0.0.1 localhost\n"
+        mapped += "".join(f"::ffff:{h.addr} {h.name}\n" for h in cluster.hosts)
+        hosts_file.write_text(text + mapped)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def etcd_endpoint(hosts: Sequence[Host]) -> str:
+    return ",".join(f"{h.name}:{ETCD_CLIENT_PORT}" for h in hosts)
+
+
+def start_etcd(
+    hosts: Sequence[Host], workdir: Path, v2: bool = False, timeout: float = 30.0
+) -> list[subprocess.Popen[bytes]]:
+    """One etcd member per host, on the host's own address; returns once healthy."""
+    initial = ",".join(f"m{h.index}=http://{h.addr}:{ETCD_PEER_PORT}" for h in hosts)
+    procs = []
+    for host in hosts:
+        client, peer = f"http://{host.addr}:{ETCD_CLIENT_PORT}", f"http://{host.addr}:2380"
+        cmd = [
+            ETCD_BINARY,
+            "--name", f"m{host.index}",
+            "--data-dir", str(workdir / f"etcd-{host.name}"),
+            *(["--enable-v2"] if v2 else []),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", initial,
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", f"faults-{hosts[0].name}",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        with open(workdir / f"etcd-{host.name}.log", "ab") as out:
+            procs.append(host.popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+    check = "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/health', timeout=1).read()"
+    deadline = time.monotonic() + timeout
+    for host in hosts:
+        url = f"http://{host.addr}:{ETCD_CLIENT_PORT}"
+        while host.run([sys.executable, "-c", check, url], timeout=10).returncode != 0:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                logs = [(workdir / f"etcd-{h.name}.log").read_text()[-800:] for h in hosts]
+                raise RuntimeError(f"etcd did not become healthy: {logs}")
+            time.sleep(0.1)
+    return procs
