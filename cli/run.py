@@ -211,6 +211,7 @@ def build_config(
         health_port=opts["health_port"],
         preemption_signal=preemption_signal,
         preemption_grace=opts["preemption_grace"],
+        quiet=opts["quiet"],
     )
     return config, entrypoint, args, factory
 
@@ -314,6 +315,12 @@ def build_config(
     default=25.0,
     show_default=True,
     help="Seconds the job may take to checkpoint on a preemption notice (0: leave at once).",
+)
+@flag(
+    "--quiet",
+    is_flag=True,
+    envvar=["PET_QUIET", "ELASTIC_QUIET"],
+    help="No progress lines (who the rendezvous waits for, who came and left).",
 )
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)

@@ -61,6 +61,7 @@ from elastic.core.rendezvous import (
     RendezvousInfo,
     RendezvousMismatchError,
 )
+from elastic.core.round.progress import Say, round_line, say_stderr
 from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastic.core.stall import StallWatchdog
 from elastic.core.store import Store
@@ -101,6 +102,7 @@ class LocalElasticAgent(ElasticAgent):
         signals_to_handle: tuple[str, ...] | list[str] = DEFAULT_SIGNALS,
         log_dir_suffix: str | None = None,
         exit_barrier_timeout: float = 300.0,
+        quiet: bool = False,
     ) -> None:
         if spec.rdzv_handler is None:  # torch's standalone: one node, no server
             spec.rdzv_handler = LocalRendezvousHandler(str(uuid.uuid4()), spec.local_addr)
@@ -127,6 +129,10 @@ class LocalElasticAgent(ElasticAgent):
         # --preemption-signal/--preemption-grace: a coordinated checkpoint on notice
         self._preempt_signum = getattr(signal, spec.preemption_signal, signal.SIGTERM)
         self._coordinator: Coordinator | None = None
+        # Progress lines on stderr (core/round/progress.py); --quiet turns them off.
+        self._say: Say | None = None if quiet else say_stderr
+        self._handler.set_progress(self._say)
+        self._last_info: RendezvousInfo | None = None
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -260,6 +266,10 @@ class LocalElasticAgent(ElasticAgent):
         with self._guard.waiting():
             info = self._handler.next_rendezvous()
         self._store = info.store
+        line = round_line(self._last_info, info) if self._say is not None else None
+        if line is not None:  # our workers are stopped: the line cannot split one of theirs
+            self._say(line)
+        self._last_info = info
         self._notify("elastic_rendezvous_complete", info=info, duration=time.monotonic() - t0)
         return info
 

@@ -58,6 +58,7 @@ class LaunchConfig:
     health_port: int | None = None  # --health-port PORT (core/health.py); None: off
     preemption_signal: str = "SIGTERM"  # --preemption-signal (core/preemption.py)
     preemption_grace: float = 25.0  # --preemption-grace SECONDS; 0: leave at once
+    quiet: bool = False  # --quiet: no progress lines (waiting for nodes, round changes)
 
 
 def run_script_path(script: str, *args: str) -> None:
@@ -177,6 +178,7 @@ def create_agent(
         plugin_host=host,
         config=ElasticConfig.from_launch_config(config, options, handler.get_run_id()),
         signals_to_handle=config.signals_to_handle,
+        quiet=config.quiet,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -188,6 +188,7 @@ class RendezvousInfo:
     master_port: int
     round: int = 0
     members: list[str] = field(default_factory=list)  # node ids, indexed by rank
+    hosts: list[str] = field(default_factory=list)  # their hostnames, by rank (empty: unknown)
 
 
 @dataclass
@@ -282,6 +283,13 @@ class RendezvousHandler(abc.ABC):
         closed: a node that finished early is not a failure.
         """
         return []
+
+    def set_progress(self, say: Callable[[str], None] | None) -> None:
+        """Where to print the lines that say what a rendezvous waits for (each call
+        gets one whole line, no newline); None: print nothing. Backends whose
+        ``next_rendezvous`` can wait long should call it every few seconds while they
+        do (the shared round does, ``core/round/progress.py``); others ignore it."""
+        return None
 
     def leave(self) -> None:
         """This node leaves a job that goes on (SIGTERM: preemption, eviction, scale-in).

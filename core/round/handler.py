@@ -29,6 +29,7 @@ from elastic.core.rendezvous import (
 )
 from elastic.core.round import records as R
 from elastic.core.round.monitor import LivenessTracker, Monitor, add_lost, read_lost
+from elastic.core.round.progress import Say
 from elastic.core.round.protocol import RoundProtocol
 from elastic.core.round.settings import RoundSettings
 from elastic.core.store import StoreTimeoutError
@@ -76,6 +77,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             self._phase,
             self._monitor_error,
             allow_mismatch=params.allow_mismatch,
+            peek_store=monitor_store.sub("rdzv/") if monitor_store is not None else None,
         )
         self._monitor: Monitor | None = None
         if monitor_store is not None and not params.read_only:
@@ -110,6 +112,9 @@ class RoundRendezvousHandler(RendezvousHandler):
     def _phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         if self._monitor is not None:
             self._monitor.set_phase(watch, quiet)
+
+    def set_progress(self, say: Say | None) -> None:
+        self.protocol.progress = say
 
     def next_rendezvous(self) -> RendezvousInfo:
         monitor = self._live_monitor()
@@ -155,6 +160,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             master_port=asg.master_port,
             round=asg.round,
             members=list(asg.members),
+            hosts=list(asg.hosts),
         )
 
     def is_closed(self) -> bool:

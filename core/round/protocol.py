@@ -29,6 +29,7 @@ from elastic.core.rendezvous import (
 )
 from elastic.core.round import records as R
 from elastic.core.round.monitor import read_lost
+from elastic.core.round.progress import RoundProgress, Say
 from elastic.core.round.settings import RoundSettings
 from elastic.core.store import StoreTimeoutError
 
@@ -47,6 +48,7 @@ class RoundProtocol:
         phase: Callable[[tuple[int, str] | None, bool], None],
         abort: Callable[[], Exception | None] = lambda: None,
         allow_mismatch: frozenset[str] = frozenset(),
+        peek_store: CoordinationStore | None = None,
     ) -> None:
         self.store = store
         self.s = settings
@@ -57,6 +59,11 @@ class RoundProtocol:
         self._abort = abort  # the heartbeat thread's error, if it lost the store
         self.allow_mismatch = allow_mismatch
         self._admitted = False  # our fingerprint matched the job's once; it cannot change
+        # Waiting lines (progress.py): the callback that prints them, and a store view with
+        # its own connection for a waiter's reads (``store`` is held by the blocking wait).
+        self.progress: Say | None = None
+        self._peek_store = peek_store
+        self._lines: RoundProgress | None = None
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -130,6 +137,8 @@ class RoundProtocol:
         self._raise_if_closed()
         self.check_fingerprint()
         deadline = time.monotonic() + self.s.join_timeout
+        if self.progress is not None:
+            self._lines = RoundProgress(self.progress, self.s.min_nodes, self.s.max_nodes, deadline)
         while True:
             self._raise_if_closed()
             rnd = self.current_round()
@@ -160,6 +169,8 @@ class RoundProtocol:
             self._raise_if_closed()
             if time.monotonic() >= deadline:
                 raise self._timeout("the job is full (max_nodes) and never re-formed")
+            if self._lines is not None:
+                self._lines.standby()
             time.sleep(pause)
 
     def _timeout(self, why: str) -> RendezvousTimeoutError:
@@ -243,10 +254,13 @@ class RoundProtocol:
                 done.set()
 
         threading.Thread(target=wait, name=f"rdzv-wait-{rnd}", daemon=True).start()
-        while not done.wait(1.0):
+        lines = self._lines
+        while not done.wait(1.0 if lines is None else min(1.0, lines.until_due() + 0.01)):
             error = self._abort()
             if error is not None:
                 raise RendezvousConnectionError(str(error))
+            if lines is not None:
+                lines.waiting(self._peek_store, rnd)
         if failure:
             if isinstance(failure[0], StoreTimeoutError):
                 raise self._timeout("no assignment was published")
@@ -281,6 +295,8 @@ class RoundProtocol:
                 joined += self._read_slots(rnd, seen + 1, count)
                 seen = count
             ids = {rec["id"] for rec in joined}
+            if self._lines is not None:
+                self._lines.coordinating(self.store, rnd, joined, prev)
             now = time.monotonic()
             if len(ids) >= self.s.max_nodes:
                 break
@@ -305,6 +321,7 @@ class RoundProtocol:
             fingerprint=dict(chosen[0].get("fp") or {}),
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
+            hosts=[str(rec.get("host", "")) for rec in chosen],
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",

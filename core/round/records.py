@@ -11,6 +11,8 @@ job prefix), the same on every coordination store::
     r/<n>/join/<slot>     the join record of that slot (JSON, HMAC-signed with a token)
     r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
     r/<n>/lost            members of round n found dead or departed (JSON list)
+    r/<n>/progress        while round n forms: who joined, who is missing (the coordinator's,
+                          for the others' waiting lines; ``progress.py``)
 
 Everything is JSON; nothing read from the store is ever unpickled.
 """
@@ -21,7 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from elastic.core.rendezvous import RendezvousStateError
@@ -60,6 +62,10 @@ def assignment_key(rnd: int) -> str:
 
 def lost_key(rnd: int) -> str:
     return f"r/{rnd}/lost"
+
+
+def progress_key(rnd: int) -> str:
+    return f"r/{rnd}/progress"
 
 
 def dumps(obj: Any) -> str:
@@ -120,6 +126,7 @@ class Assignment:
     fingerprint: dict[str, str] = field(default_factory=dict)  # rank 0's: the job's
     min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
     max_nodes: int = 0
+    hosts: list[str] = field(default_factory=list)  # the members' hostnames, by node rank
     sig: str | None = None
 
     def to_json(self, token: bytes | None, run_id: str) -> str:
@@ -130,7 +137,11 @@ class Assignment:
     def from_json(cls, raw: bytes, key: str, token: bytes | None, run_id: str) -> Assignment:
         record = loads(raw, key)
         try:
-            asg = cls(**record)
+            # Fields a newer version added are ignored (the signature covers them all).
+            known = {f.name for f in fields(cls)}
+            if not isinstance(record, dict):
+                raise TypeError
+            asg = cls(**{k: v for k, v in record.items() if k in known})
         except TypeError:
             raise RendezvousStateError(
                 f"rendezvous state key {key!r} is not an assignment: {bytes(raw[:60])!r}"
