@@ -1,20 +1,21 @@
 """The job-wide side of ``--stall-timeout``: what agents tell each other through the
 rendezvous store while a round runs (multi-node jobs only; keys are namespaced by run id):
 
-- ``agent/stall/<round>``: set by an agent that found a stall; every agent then dumps its
-  workers' stacks and reports its idle ones.
+- ``agent/stall/<round>``: set by an agent that found a stall (who, which ranks, when);
+  every agent then dumps its workers' stacks and reports its idle ones.
 - ``agent/stall/<round>/acks``: every agent adds 1 once it has dumped; a finder kills only
   when all have (or ``PEER_WAIT`` passed).
 - ``agent/stall/<round>/progress``: an agent whose workers progressed since its last poll
   adds 1; a worker waiting in a collective is stalled only when no one anywhere progressed.
+  A finder also adds ``STALL_MARK``, so one ``add`` per poll reads both.
 - ``agent/stall/<round>/records/<kind>``: records reported so far, capped by ``QUOTA``.
 - ``agent/stall/<round>/reporters``, ``.../published``: agents with records to publish, and
   those that have; each waits (``PEER_WAIT``) for the others before it claims the restart,
   so whichever agent spends the last restart and prints the summary has every record.
 
-One daemon thread per agent polls the marker and the progress counter every
-``timeout / 8`` seconds (0.25 s to 5 s): two store operations per poll, so the monitor loop
-never blocks on the store.
+One daemon thread per agent polls the progress counter every ``timeout / 8`` seconds
+(0.25 s to 1 s): one store operation per poll and agent, and the monitor loop never
+blocks on the store.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ REPORTERS_KEY = "agent/stall/{}/reporters"
 PUBLISHED_KEY = "agent/stall/{}/published"
 QUOTA = {"culprit": 32, "waiter": 8}  # stall records per round and kind, job-wide
 PEER_WAIT = 2.5  # seconds a finder waits for every agent's dump before it kills
+STALL_MARK = 1 << 40  # added to the progress counter by a finder: "stall, dump now"
 
 
 class JobStallChannel:
@@ -54,7 +56,7 @@ class JobStallChannel:
         self._store = store
         self._round = round_
         self.nodes = nodes
-        self.interval = min(max(timeout / 8, 0.25), 5.0)
+        self.interval = min(max(timeout / 8, 0.25), 1.0)
         self._local_progress = local_progress
         self.peer_stall = threading.Event()  # another agent set the marker
         self.job_progress = time.monotonic()  # when another node last progressed (or start)
@@ -65,17 +67,17 @@ class JobStallChannel:
         self._stop.set()
 
     def _run(self) -> None:
-        marker, counter = MARKER_KEY.format(self._round), PROGRESS_KEY.format(self._round)
+        counter = PROGRESS_KEY.format(self._round)
         published = 0.0
         last: int | None = None
         while not self._stop.wait(self.interval):
             try:
-                if self._store.check([marker]):
-                    self.peer_stall.set()
-                    return
                 local = self._local_progress()
                 mine = 1 if local > published else 0
                 value = int(self._store.add(counter, mine))
+                if value >= STALL_MARK:
+                    self.peer_stall.set()
+                    return
                 published = max(published, local)
                 if last is not None and value - mine > last:
                     self.job_progress = time.monotonic()
@@ -88,6 +90,7 @@ class JobStallChannel:
         self._stop.set()
         payload = json.dumps({"ranks": ranks, "detected_at": detected_at})
         self._call("set", MARKER_KEY.format(self._round), payload)
+        self._call("add", PROGRESS_KEY.format(self._round), STALL_MARK)
 
     def dumped(self, wait: bool) -> None:
         """Say this agent has dumped; a finder (``wait``) then waits for every agent."""

@@ -151,12 +151,20 @@ def test_taken_port_is_one_line_and_exit_2(tmp_path: Path, how: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("flag", "expected"),
-    [("--health-port=70000", "not a port"), ("--stall-timeout=0", "positive number")],
+    ("flag", "env", "expected"),
+    [
+        ("--health-port=70000", {}, "not a port"),
+        ("--stall-timeout=0", {}, "positive number"),
+        ("", {"PET_STALL_TIMEOUT": "-3"}, "--stall-timeout"),
+        ("", {"PET_STALL_TIMEOUT": "soon"}, "--stall-timeout"),
+    ],
 )
-def test_bad_values_are_one_line_and_exit_2(tmp_path: Path, flag: str, expected: str) -> None:
+def test_bad_values_are_one_line_and_exit_2(
+    tmp_path: Path, flag: str, env: dict[str, str], expected: str
+) -> None:
     script = write_script(tmp_path, "w.py", "pass\n")
-    proc = run_elastic("run", "--standalone", flag, script, timeout=60)
+    flags = [flag] if flag else []
+    proc = run_elastic("run", "--standalone", *flags, script, env=env, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert expected in lines[0]
