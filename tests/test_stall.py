@@ -337,3 +337,38 @@ def test_dump_chains_an_existing_sitecustomize_and_spares_others(tmp_path: Path)
         plain.kill()
         registered.wait()
         plain.wait()
+
+
+TRAIN = """
+import sys, time
+import elastic
+
+steps = [0]
+
+
+def step(state):  # idle steps (a sleep), each shorter than the timeout
+    steps[0] += 1
+    time.sleep({nap})
+    return steps[0] >= 5
+
+
+if sys.argv[1] == "train":
+    elastic.train(step, elastic.State(), checkpointer="")
+else:  # the same steps without elastic.train: no heartbeat, no CPU time
+    while not step(None):
+        pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("via", ["train", "plain"])
+def test_elastic_train_heartbeats_every_step(tmp_path: Path, via: str) -> None:
+    script = write_script(tmp_path, "train.py", TRAIN.format(nap=T * 0.6))
+    proc = run_elastic("run", "--standalone", f"--stall-timeout={T}", script, via, timeout=90)
+    if via == "train":
+        assert proc.returncode == 0, proc.stderr
+        assert "stall" not in proc.stderr
+    else:  # the control: idle for longer than the timeout with no heartbeat is a stall
+        assert proc.returncode == 137, proc.stderr
+        assert "elastic: stall: worker rank 0" in proc.stderr
