@@ -137,3 +137,30 @@ def test_server_protocol_with_torchs_client(tmp_path: Path) -> None:
             child.kill()
             child.wait()
     assert not os.path.exists(path)
+
+
+ARMED = """
+import os, signal, time
+from torch.distributed.elastic.timer import FileTimerClient, configure, expires
+
+configure(FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"], signal=signal.SIGKILL))
+with expires(after=30, scope="slow_but_declared"):
+    time.sleep({idle})  # idle for longer than --stall-timeout, inside its own deadline
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_armed_timer_governs_instead_of_the_stall_timeout(tmp_path: Path) -> None:
+    stall_timeout = 3.0
+    script = write_script(tmp_path, "armed.py", ARMED.format(idle=stall_timeout * 2))
+    proc = run_elastic(
+        "run",
+        "--standalone",
+        f"--stall-timeout={stall_timeout}",
+        script,
+        env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "stall" not in proc.stderr
