@@ -61,16 +61,22 @@ def on_sigterm(signum, frame):  # the agent stops us: record when
     os._exit(128 + signum)
 
 
-signal.signal(signal.SIGTERM, on_sigterm)
 stop = os.path.join(out, "stop")
+if os.environ.get("FAULTS_GLOO") != "1":
+    # A Python handler runs only between bytecodes: one blocked in a collective would wait
+    # for the agent's SIGKILL. Gloo workers keep SIGTERM's default, as most scripts do.
+    signal.signal(signal.SIGTERM, on_sigterm)
 if os.environ.get("FAULTS_GLOO") == "1":
     import datetime
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     t = torch.ones(1)
+    progress = os.path.join(out, f"progress-{rec['host']}-{rec['pid']}")
+    open(progress, "w").close()
     while True:
         dist.all_reduce(t)
+        os.utime(progress)  # its mtime: when this worker last finished a collective
         flag = torch.tensor([float(os.path.exists(stop))])
         dist.all_reduce(flag)  # everyone leaves the loop in the same step
         if flag.item() > 0:
@@ -174,7 +180,8 @@ class FaultJob:
         return sorted(records, key=lambda r: r["t"])
 
     def stops(self, host: Host) -> list[dict[str, Any]]:
-        """When ``host``'s workers were stopped by SIGTERM (their agent's), oldest first."""
+        """When ``host``'s workers were stopped by SIGTERM (their agent's), oldest first;
+        not recorded for gloo workers."""
         records = []
         for path in self.workdir.glob(f"stopped-{host.name}-*.json"):
             try:
@@ -182,6 +189,13 @@ class FaultJob:
             except (OSError, ValueError):
                 continue
         return sorted(records, key=lambda r: r["t"])
+
+    def progressed_at(self, record: dict[str, Any]) -> float | None:
+        """When the (gloo) worker of start ``record`` last finished a collective."""
+        try:
+            return (self.workdir / f"progress-{record['host']}-{record['pid']}").stat().st_mtime
+        except OSError:
+            return None
 
     def latest(self, host: Host) -> dict[str, Any] | None:
         mine = [r for r in self.starts() if r["host"] == host.name]

@@ -1,0 +1,171 @@
+"""Faults on a simulated 3-host network: how long until the survivors train again.
+
+For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed, its
+cable is cut) and each launcher/backend (torchrun 2.13 with c10d, ours with c10d, ours
+with etcd-v3 on a fourth host), a fresh ``elastic.testing.cluster`` cluster runs a
+``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
+together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
+before importing anything, then all-reduce every 0.1 s (noting each finished collective),
+so a lost peer is seen the way a real job sees it. Once the 3-node job runs, node 2 (never
+the c10d store's host) gets the fault; the cell is the time from the fault to the last
+survivor's worker starting in a new 2-node round, on the hosts' shared clock, with
+"(restart N)" when that cost restarts from the budget. Otherwise, after ``--bound`` s:
+"never: job failed" (the survivors' agents exited), "hung" (their workers stopped
+finishing collectives), or "never" (they train on in the old world).
+
+Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
+5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
+
+    python bench/faults.py [--faults sigterm,sigkill,cut] [--impls torchrun,c10d,etcd-v3]
+                           [--bound 45] [--repeat 1] [--json out.json] [--keep DIR]
+
+Needs root (network namespaces); prints a Markdown table, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic.testing.cluster import Cluster, cluster_available
+from elastic.testing.multihost import (
+    C10D_PORT,
+    FaultJob,
+    etcd_endpoint,
+    start_etcd,
+    wait_until,
+)
+
+IMPLS = {  # column -> (launcher, backend)
+    "torchrun": ("torchrun", "c10d"),
+    "c10d": ("ours", "c10d"),
+    "etcd-v3": ("ours", "etcd-v3"),
+}
+HEADERS = {"torchrun": "torchrun (c10d)", "c10d": "ours c10d", "etcd-v3": "ours etcd-v3"}
+FAULTS = {"sigterm": "SIGTERM to its agent", "sigkill": "SIGKILL (node lost)", "cut": "cable cut"}
+FORM_TIMEOUT = 120.0
+
+
+def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
+    launcher, backend = IMPLS[impl]
+    with Cluster(4 if backend == "etcd-v3" else 3) as cluster:
+        nodes = cluster.hosts[:3]
+        if backend == "etcd-v3":
+            start_etcd(cluster.hosts[3:], workdir)
+            endpoint = etcd_endpoint(cluster.hosts[3:])
+        else:
+            endpoint = f"{nodes[0].name}:{C10D_PORT}"
+        job = FaultJob(
+            cluster,
+            workdir / "job",
+            backend,
+            endpoint,
+            launcher=launcher,
+            conf={"last_call_timeout": 1},
+            args=["--max-restarts=3"],
+            gloo=True,
+            env={"RES_OPTIONS": "timeout:1 attempts:1"},
+        )
+        for host in nodes:
+            job.start(host)
+        if not wait_until(lambda: job.running_together(nodes), FORM_TIMEOUT):
+            return {"result": "did not form", "logs": job.texts()}
+        # Let gloo connect and a few collectives finish before the fault.
+        wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
+        time.sleep(2.0)
+        victim, survivors = nodes[2], nodes[:2]
+        at = time.time()
+        if fault == "sigterm":
+            os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
+        elif fault == "sigkill":
+            victim.kill()
+        else:
+            cluster.cut(victim)
+        agents = [job.nodes[h.name].proc for h in survivors]
+
+        def ended() -> bool:
+            return all(p.poll() is not None for p in agents)
+
+        regrouped = wait_until(
+            lambda: job.running_together(survivors, at) or ended(), bound, interval=0.1
+        )
+        out: dict[str, Any] = {"impl": impl, "fault": fault}
+        if regrouped and job.running_together(survivors, at):
+            out["seconds"] = round(job.regroup_time(survivors, at), 2)
+            out["restart"] = max(r["restart"] for r in map(job.latest, survivors) if r)
+            out["result"] = f"{out['seconds']:.2f} s" + (
+                f" (restart {out['restart']})" if out["restart"] else ""
+            )
+        elif ended():
+            codes = [p.returncode for p in agents]
+            out["result"] = f"never: job failed after {time.time() - at:.0f} s (exit {codes})"
+        else:
+            last = [job.progressed_at(r) for r in map(job.latest, survivors) if r]
+            stalled = not last or any(t is None or time.time() - t > 10 for t in last)
+            out["result"] = f"hung ({bound:.0f} s)" if stalled else f"never ({bound:.0f} s)"
+        out["logs"] = job.texts()
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--bound", type=float, default=45.0, help="s to wait for a regroup")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--keep", help="keep every run's logs under this directory")
+    args = parser.parse_args()
+    ok, why = cluster_available()
+    if not ok:
+        sys.exit(f"bench/faults.py: {why}")
+    faults, impls = args.faults.split(","), args.impls.split(",")
+    results: list[dict[str, Any]] = []
+    for fault in faults:
+        for rep in range(args.repeat):
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
+                workdir = Path(tempfile.mkdtemp(prefix=f"faults-{impl}-{fault}-"))
+                started = time.monotonic()
+                case = run_case(impl, fault, args.bound, workdir)
+                case.update(impl=impl, fault=fault, repeat=rep)
+                print(
+                    f"# {fault} / {impl} #{rep}: {case['result']} "
+                    f"({time.monotonic() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if args.keep:
+                    shutil.copytree(workdir, Path(args.keep) / workdir.name)
+                shutil.rmtree(workdir, ignore_errors=True)
+                results.append(case)
+    print("| a node leaves by | " + " | ".join(HEADERS[i] for i in impls) + " |")
+    print("| --- |" + " --- |" * len(impls))
+    for fault in faults:
+        cells = []
+        for impl in impls:
+            runs = [r for r in results if r["impl"] == impl and r["fault"] == fault]
+            times = [r["seconds"] for r in runs if "seconds" in r]
+            if len(times) == len(runs) and len(runs) > 1:
+                restarts = max(r["restart"] for r in runs)
+                cell = f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
+                cells.append(cell + (f" (restart {restarts})" if restarts else ""))
+            else:
+                cells.append("; ".join(r["result"] for r in runs))
+        print(f"| {FAULTS[fault]} | " + " | ".join(cells) + " |")
+    report = [{k: v for k, v in r.items() if k != "logs"} for r in results]
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
