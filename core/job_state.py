@@ -135,9 +135,7 @@ class JobWatch:
                 self.failed = bool(store_call(self._store.check, [FAILED_KEY]))
                 self.peer_failed = bool(store_call(self._store.check, [self._claim]))
                 if not self.checkpoint_requested:
-                    self.checkpoint_requested = bool(
-                        store_call(self._store.check, [self._preempt])
-                    )
+                    self.checkpoint_requested = bool(store_call(self._store.check, [self._preempt]))
             except RendezvousStoreGoneError as exc:
                 self.error = exc
                 return

@@ -23,8 +23,6 @@ from elastic.core.store import LocalStore
 MASTER_ADDR = "localhost"
 
 
-
-
 class LocalRendezvousHandler(RendezvousHandler):
     """A single-node rendezvous that never waits and never needs a network peer."""
 

@@ -80,8 +80,7 @@ def describe(handler: RoundRendezvousHandler) -> JobStatus:
     latest = _int(store, R.ROUND)
     if latest is None:
         raise RendezvousError(
-            f"no job with id {handler.run_id!r} at {handler.where} "
-            "(no node has joined it)"
+            f"no job with id {handler.run_id!r} at {handler.where} (no node has joined it)"
         )
     status.round = latest
     formed = proto.last_formed(latest)  # what runs; a newer unformed round is waiting nodes

@@ -31,8 +31,6 @@ def local_host(local_addr: str | None) -> str:
     return local_addr or socket.getfqdn() or "127.0.0.1"
 
 
-
-
 def ttl_seconds(value: float) -> int:
     """etcd v2 TTLs are whole seconds; never round a short TTL down to 'forever' (0)."""
     return max(1, math.ceil(value))
