@@ -1,0 +1,112 @@
+"""No agent imports torch, on any backend: each agent of a real two-node job (and
+``elastic status`` afterwards) records, as it exits, whether ``torch`` is in its
+``sys.modules``. Workers are trivial scripts that never import torch either, so any
+``torch`` found was imported by the agent itself."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli_env, free_port
+
+pytest_plugins = ["elastic.testing.etcd"]
+
+# Runs the real CLI (``python -m elastic``) and, at interpreter exit, writes the
+# torch-related modules this process imported to the file named in argv[1].
+BOOT = """\
+import atexit, json, runpy, sys
+out = sys.argv[1]
+atexit.register(lambda: open(out, "w").write(json.dumps(
+    sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))))
+sys.argv = ["elastic", *sys.argv[2:]]
+runpy.run_module("elastic", run_name="__main__", alter_sys=True)
+"""
+
+WORKER = """\
+import json, os, sys
+with open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK")}, f)
+"""
+
+
+def _nodes_flags(backend: str, endpoint: str, rank: int, run_id: str) -> list[str]:
+    if backend == "static":
+        host, port = endpoint.split(":")
+        return [f"--node-rank={rank}", f"--master-addr={host}", f"--master-port={port}"]
+    return [
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        "--rdzv-conf=last_call_timeout=0.5",
+    ]
+
+
+def _run_job(procs: Any, tmp_path: Path, backend: str, endpoint: str, run_id: str) -> None:
+    boot = tmp_path / "boot.py"
+    boot.write_text(BOOT)
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = cli_env({"RES_OPTIONS": "timeout:1 attempts:1"})
+    agents = [
+        procs.start(
+            [
+                sys.executable,
+                str(boot),
+                str(tmp_path / f"agent{rank}.modules"),
+                "run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                *_nodes_flags(backend, endpoint, rank, run_id),
+                str(worker),
+                str(out),
+            ],
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    for rank, agent in enumerate(agents):
+        stdout, stderr = agent.communicate(timeout=90)
+        assert agent.returncode == 0, f"agent {rank}:\n{stdout}\n{stderr}"
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["WORLD_SIZE"] for r in records} == {"2"}
+    for rank in (0, 1):
+        modules = json.loads((tmp_path / f"agent{rank}.modules").read_text())
+        assert modules == [], f"agent {rank} ({backend}) imported {modules[:5]}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_agents_on_loopback_backends_never_import_torch(
+    procs: Any, tmp_path: Path, backend: str
+) -> None:
+    _run_job(procs, tmp_path, backend, f"127.0.0.1:{free_port()}", f"notorch-{backend}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2", "etcd"])
+def test_agents_and_status_on_etcd_backends_never_import_torch(
+    procs: Any, tmp_path: Path, backend: str, etcd_server_shared: Any
+) -> None:
+    run_id = f"notorch-{backend}"
+    _run_job(procs, tmp_path, backend, etcd_server_shared.endpoint, run_id)
+    status = procs.start(
+        [
+            sys.executable,
+            str(tmp_path / "boot.py"),
+            str(tmp_path / "status.modules"),
+            "status",
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={etcd_server_shared.endpoint}",
+            f"--rdzv-id={run_id}",
+        ]
+    )
+    stdout, stderr = status.communicate(timeout=60)
+    assert status.returncode == 0, stdout + stderr
+    assert run_id in stdout
+    assert json.loads((tmp_path / "status.modules").read_text()) == []
