@@ -14,6 +14,10 @@ Measured per run, from just before the first agent's ``Popen``:
   workers   until the last of the N workers has started (its first statement)
   done      until the last worker has finished its all_reduce and destroyed the group
             (the rest of ``wall`` is the workers' and agents' exit)
+  rss       each agent's peak RSS (``VmHWM`` in ``/proc/<pid>/status``, the agent process
+            alone, not its workers), polled every ``--rss-poll`` s while it lives, so the
+            last poll before it exits stands for its peak: the median over the N agents
+  rss_max   the same, the largest of the N agents' peaks
 
 The two launchers alternate (who goes first alternates each repetition) after a discarded
 warm-up run of each. Each run is capped (``--timeout``, 120 s): on timeout every agent's
@@ -21,6 +25,7 @@ process group and every worker under it is SIGKILLed. Both launchers run with
 ``RES_OPTIONS="timeout:1 attempts:1"`` (see docs/benchmarks.md). Prints a table and JSON.
 
     python bench/agents_c10d.py --agents 8 --repeat 3 [--impls ours,torchrun] [--json out]
+        [--rss-poll 0.05]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,17 +51,19 @@ from common import (
     free_port,
     kill_tree,
     module_launcher,
+    proc_status_kb,
     sample_stats,
     write_report,
 )
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "allreduce.py"
-METRICS = ("wall", "workers", "done")
+METRICS = ("wall", "workers", "done", "rss", "rss_max")
+UNITS = {"rss": "MB", "rss_max": "MB"}  # the others: s
 
 
 def one_run(
-    impl: str, agents: int, env: dict[str, str], work: Path, timeout: float
+    impl: str, agents: int, env: dict[str, str], work: Path, timeout: float, rss_poll: float
 ) -> dict[str, Any]:
     """Start ``agents`` agents of ``impl``; return wall/workers times or the failure."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=work))
@@ -93,8 +101,15 @@ def one_run(
         thread.start()
         threads.append(thread)
     deadline = started + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.time()))
+    peak_kb: dict[int, int] = {}
+    while time.time() < deadline and any(thread.is_alive() for thread in threads):
+        for i, proc in enumerate(procs):
+            with lock:
+                gone = i in exits
+            kb = None if gone else proc_status_kb(proc.pid, "VmHWM")
+            if kb is not None:  # None: exited, or a zombie (no memory left to measure)
+                peak_kb[i] = max(peak_kb.get(i, 0), kb)
+        time.sleep(rss_poll)
     timed_out = any(thread.is_alive() for thread in threads)
     for proc in procs:  # stragglers (timeout) and any orphaned worker (failure)
         kill_tree(proc.pid)
@@ -124,6 +139,8 @@ def one_run(
         wall=max(t for _, t in exits.values()) - started,
         workers=max(starts) - started,
         done=max(dones) - started,
+        rss=statistics.median(peak_kb.values()) / 1024 if peak_kb else None,
+        rss_max=max(peak_kb.values()) / 1024 if peak_kb else None,
     )
     return result
 
@@ -161,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="cap per run, seconds")
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
+    parser.add_argument(
+        "--rss-poll", type=float, default=0.05, help="s between VmHWM polls of the agents"
+    )
     parser.add_argument("--keep-dirs", action="store_true", help="keep agent logs and stamps")
     add_report_options(parser)
     args = parser.parse_args(argv)
@@ -172,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="elastic-agents-c10d-"))
     for _ in range(args.warmup):
         for impl in impls:
-            r = one_run(impl, args.agents, env, work, args.timeout)
+            r = one_run(impl, args.agents, env, work, args.timeout, args.rss_poll)
             print(f"  warmup {impl}: {'ok' if r['ok'] else r['reason']}", file=sys.stderr)
     for i in range(args.repeat):
         for impl in impls if i % 2 == 0 else impls[::-1]:
-            r = one_run(impl, args.agents, env, work, args.timeout)
+            r = one_run(impl, args.agents, env, work, args.timeout, args.rss_poll)
             if r["ok"]:
                 for metric in METRICS:
-                    samples[metric][impl].append(r[metric])
-                note = " ".join(f"{m} {r[m]:.2f}s" for m in METRICS)
+                    if r[metric] is not None:
+                        samples[metric][impl].append(r[metric])
+                note = " ".join(
+                    f"{m} {r[m]:.2f}{UNITS.get(m, 's')}" for m in METRICS if r[m] is not None
+                )
             else:
                 failed[impl].append({"repeat": i, **r})
                 note = f"FAILED ({r['reason']}, exit codes {r['exit_codes']}, dir {r['dir']})"
@@ -189,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for metric in METRICS:
         entry: dict[str, Any] = {i: summarize(samples[metric][i]) for i in impls}
-        entry["unit"] = "s"
+        entry["unit"] = UNITS.get(metric, "s")
         if {"ours", "torchrun"} <= set(impls) and entry["torchrun"]["median"]:
             ours = entry["ours"]["median"]
             entry["ratio"] = None if ours is None else round(ours / entry["torchrun"]["median"], 3)

@@ -101,3 +101,115 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
     if not args.keep_resolver:
         env["RES_OPTIONS"] = "timeout:1 attempts:1"
     return env
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime+stime of ``pid`` itself (not its children) from ``/proc/<pid>/stat``; None
+    once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status_kb(pid: int, field: str = "VmHWM") -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmHWM``: peak RSS); None once gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def mem_available_mb() -> float:
+    """``MemAvailable`` from ``/proc/meminfo``, in MB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+def listening_pid(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` holds the TCP socket listening on ``port`` (any address), found
+    through the socket's inode in ``/proc/net/tcp{,6}`` and the processes' fds."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def raise_nofile(wanted: int) -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` towards ``wanted`` (up to the hard limit); the
+    children inherit it. Returns the (soft, hard) limits now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def pytest_running() -> bool:
+    """Whether any process's command line mentions pytest (``pgrep -f pytest``)."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"pytest" in cmdline:
+            return True
+    return False
+
+
+def wait_for_quiet(max_load: float, limit: float, poll: float = 30.0) -> dict[str, Any]:
+    """Wait (up to ``limit`` s, checking every ``poll`` s) until the 1-min load average is
+    below ``max_load`` and no pytest runs; then go on either way. Returns what was seen."""
+    import time
+
+    started = time.monotonic()
+    while True:
+        load = os.getloadavg()[0]
+        busy = pytest_running()
+        waited = time.monotonic() - started
+        if (load < max_load and not busy) or waited >= limit:
+            return {
+                "quiet": load < max_load and not busy,
+                "waited_s": round(waited, 1),
+                "load1": round(load, 2),
+                "pytest_running": busy,
+            }
+        print(
+            f"  waiting for a quiet machine: load {load:.2f}, pytest running: {busy}",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(poll)
