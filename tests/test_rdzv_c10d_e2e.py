@@ -172,7 +172,10 @@ def test_sigkill_of_the_hosting_agent_fails_the_others_clearly(job) -> None:  # 
     code = others[0].wait(30)
     assert code != 0
     assert time.monotonic() - started < 15
-    assert "rendezvous" in others[0].text() and "agent hosting the c10d store is gone" in others[0].text()
+    assert (
+        "rendezvous" in others[0].text()
+        and "agent hosting the c10d store is gone" in others[0].text()
+    )
 
 
 def test_restart_budget_is_job_wide(job) -> None:  # noqa: ANN001
