@@ -76,7 +76,9 @@ def ours(nodes: int, run_id: str, timeout: float, conf: dict[str, str]) -> dict[
     port = free_port()
     t0 = time.perf_counter()
     handlers = [
-        create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, nodes, nodes))
+        create_handler(
+            RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, nodes, nodes, config=conf)
+        )
         for _ in range(nodes)
     ]
     connect = time.perf_counter() - t0
@@ -84,9 +86,18 @@ def ours(nodes: int, run_id: str, timeout: float, conf: dict[str, str]) -> dict[
     errors = [repr(r) for r in results if isinstance(r, Exception)]
     ranks = sorted(r.rank for r in results if hasattr(r, "rank"))
     ok = elapsed is not None and not errors and ranks == list(range(nodes))
-    for h in reversed(handlers):  # the host (first) last, so it does not wait for others
+    # End as a finished job does: closed, then every node out ("done"), the store's host
+    # (first) last, so it does not wait for the others.
+    t1 = time.perf_counter()
+    handlers[0].set_closed()
+    for h in reversed(handlers):
         h.shutdown()
-    return {"seconds": elapsed if ok else None, "connect_seconds": connect, "errors": errors[:3]}
+    return {
+        "seconds": elapsed if ok else None,
+        "connect_seconds": connect,
+        "shutdown_seconds": time.perf_counter() - t1,
+        "errors": errors[:3],
+    }
 
 
 def torchs(nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
@@ -141,6 +152,9 @@ def summary(runs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "runs": [None if r["seconds"] is None else round(r["seconds"], 4) for r in runs],
         "connect_seconds": [round(r["connect_seconds"], 3) for r in runs],
+        "shutdown_seconds": [
+            round(r["shutdown_seconds"], 3) for r in runs if "shutdown_seconds" in r
+        ],
     }
     if len(times) == len(runs):
         out["median"] = round(statistics.median(times), 4)

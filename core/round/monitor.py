@@ -2,12 +2,15 @@
 
 It has its own store connection (a TCPStore client serialises its operations, so a long
 ``wait`` in ``next_rendezvous`` would otherwise hold the heartbeat back). Each tick costs a
-node a handful of operations whatever N is: its own heartbeat, ``check``s on ``closed``, on
-the next round's counter and on this round's ``lost`` key, and one liveness read: rank 0
-reads every member's heartbeat in one ``multi_get``, every other member reads rank 0's
-only. So a round costs O(N) operations per interval, never O(N^2). The agent's frequent
-``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return cached values and
-never block on the network.
+node four operations whatever N is: its own heartbeat, one read of the ``events`` counter
+(only when it moved does the tick read ``closed``, the next round's counter, this round's
+``lost`` list and the refusals), and one liveness read (a ``check`` and a ``multi_get``):
+rank 0 reads every member's heartbeat in one ``multi_get``, every other member reads rank
+0's only. So a round costs O(N) operations per interval, never O(N^2); and since one
+Python store server answers them all, the constant matters: before the counter an idle
+tick was seven operations, and 768 handlers in one process saturated the server. The
+agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return
+cached values and never block on the network.
 
 Liveness compares heartbeat *values*, not clocks: a member is lost when its value has not
 changed for ``heartbeat_timeout`` of our own time and over several of our reads, so neither
@@ -84,6 +87,12 @@ def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
     return [str(v) for v in value]
 
 
+def note_event(store: CoordinationStore) -> None:
+    """Tell every member's heartbeat thread to re-read the round's keys; call it *after*
+    the write it announces, so a tick that sees the new count also sees the write."""
+    store.add(R.EVENTS, 1)
+
+
 def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
     """Merge ``nodes`` into round ``rnd``'s lost list with compare_set, so two nodes
     publishing at once never erase each other's entries; returns the merged list."""
@@ -96,6 +105,7 @@ def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
             return merged
         desired = R.dumps(merged).encode()
         if bytes(store.compare_set(key, raw, desired)) == desired:
+            note_event(store)
             return merged
     raise RendezvousStateError(f"could not update {store.prefix + key!r}: too much contention")
 
@@ -129,6 +139,10 @@ class Monitor:
         # twice the member timeout before we call it dead.
         self._watch_tracker = LivenessTracker(2 * timeout, interval)
         self._refused_seen = 0
+        # The events count the cached round facts (closed, waiting, lost) were read at;
+        # None: read them on the next tick.
+        self._events_seen: int | None = None
+        self._published: list[str] = []
 
     # -- control (agent thread) ----------------------------------------------------
     def start(self) -> None:
@@ -161,6 +175,7 @@ class Monitor:
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
             self._confirmed_at = time.monotonic()
+            self._events_seen, self._published = None, []
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
@@ -233,14 +248,20 @@ class Monitor:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
             return  # between rounds the protocol itself sees closing and new rounds
-        closed = self.store.check([R.CLOSED])
-        nxt = R.count_key(asg.round + 1)
-        waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
+        events = self.store.add(R.EVENTS, 0)
+        with self._lock:
+            closed, waiting, seen = self.closed, self.waiting, self._events_seen
+        if events != seen:
+            closed = self.store.check([R.CLOSED])
+            nxt = R.count_key(asg.round + 1)
+            waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
+            self._published = read_lost(self.store, asg.round)
+            self._log_refused()
         lost = self._check_members(asg, rank)
-        self._log_refused()
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
                 self.closed, self.waiting, self.lost = closed, waiting, lost
+                self._events_seen = events
                 self._confirmed_at = time.monotonic()
 
     def _log_refused(self) -> None:
@@ -280,13 +301,12 @@ class Monitor:
         # itself, so everyone learns of a departure from the lost key within one tick.
         targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
         stale, _ = self._tracker.update(self._read_beats(targets), time.monotonic())
-        published = read_lost(self.store, asg.round)
-        new = sorted(set(stale) - set(published))
+        new = sorted(set(stale) - set(self._published))
         if new:
             log.warning("round %d: lost %s", asg.round, ", ".join(new))
-            # Publishing wakes every survivor (their next tick sees this key).
-            published = add_lost(self.store, asg.round, new)
-        return published
+            # Publishing wakes every survivor (their next tick sees the events counter).
+            self._published = add_lost(self.store, asg.round, new)
+        return self._published
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
         beats = self._read_beats([coordinator])

@@ -28,7 +28,7 @@ from elastic.core.rendezvous import (
     RendezvousTimeoutError,
 )
 from elastic.core.round import records as R
-from elastic.core.round.monitor import read_lost
+from elastic.core.round.monitor import note_event, read_lost
 from elastic.core.round.progress import RoundProgress, Say
 from elastic.core.round.settings import RoundSettings
 from elastic.core.store import StoreTimeoutError
@@ -110,6 +110,7 @@ class RoundProtocol:
 
     def set_closed(self) -> None:
         self.store.set(R.CLOSED, "1")
+        note_event(self.store)
         rnd = self.current_round()
         # Wake whoever waits on an unformed round; a formed one learns it by heartbeat.
         self.publish(rnd, R.Assignment(round=rnd, state="closed"))
@@ -130,6 +131,7 @@ class RoundProtocol:
                 index = self.store.add(R.REFUSED_COUNT, 1)
                 note = {"host": self.node["host"], "pid": self.node["pid"], "fields": sorted(diffs)}
                 self.store.set(R.refused_key(index), R.dumps(note))
+                note_event(self.store)
                 raise RendezvousMismatchError(describe_differences(diffs), diffs)
         self._admitted = True
 
@@ -184,6 +186,8 @@ class RoundProtocol:
         record = R.signed(self.s.token, self.run_id, record)
         slot = self.store.add(R.count_key(rnd), 1)
         self.store.set(R.join_key(rnd, slot), R.dumps(record))
+        if rnd > 0:  # the running round's members count the next round's joiners
+            note_event(self.store)
         found = self._find_coordinator(rnd, slot)
         if found is None:
             asg = self._coordinate(rnd, deadline)

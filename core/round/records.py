@@ -5,6 +5,9 @@ job prefix), the same on every coordination store::
 
     round                 the newest round number anyone joined (compare_set to advance)
     closed                exists once the rendezvous is closed
+    events                a counter bumped after anything a member's heartbeat thread must
+                          notice (closed, a node lost or refused, a joiner for a next round),
+                          so an idle tick reads one counter instead of every such key
     hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; at the end "done"
                           (its workers finished the job) or "left" (it departed)
     r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ROUND = "round"
 CLOSED = "closed"
+EVENTS = "events"
 FINGERPRINT = "fingerprint"  # the first joiner's fingerprint: the job's
 REFUSED_COUNT = "refused/count"  # nodes turned away for a fingerprint mismatch
 
