@@ -23,8 +23,8 @@ from typing import Any
 
 from elastic.core import failures as fail
 from elastic.core.config import ElasticConfig
+from elastic.core.departure import departure_caused
 from elastic.core.job_state import (
-    CLAIM_KEY,
     FAILED_KEY,
     RESTARTS_KEY,
     JobWatch,
@@ -43,7 +43,7 @@ from elastic.core.logs import (
     start_tailer,
 )
 from elastic.core.plugins import PluginHost
-from elastic.core.preemption import ControlFile, Coordinator, wait_for_save
+from elastic.core.preemption import ControlFile, Coordinator, checkpoint_before_leaving
 from elastic.core.process import (
     Interrupted,
     SignalGuard,
@@ -73,9 +73,6 @@ FAILED_CHECK_INTERVAL = 1.0  # seconds between checks of the job-wide failed fla
 # Grace for workers stopped because the world they train in is gone (fenced, store lost):
 # they must be down within heartbeat_timeout + 1 s, whatever --shutdown-timeout says.
 FENCE_GRACE = 1.0
-# How long a worker failure that looks like a lost peer (gloo/NCCL connection errors)
-# waits for the rendezvous to confirm a departure before it spends a restart.
-PEER_LOSS_WAIT = 7.0
 
 
 class ElasticAgent(abc.ABC):
@@ -182,38 +179,20 @@ class LocalElasticAgent(ElasticAgent):
         return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
 
     def _checkpoint_before_leaving(self, name: str) -> None:
-        """A preemption notice: the whole job checkpoints at its next step boundary, and
-        we leave once every node saved (or the grace ran out). Only for scripts that use
-        ``elastic.checkpoint_requested()``: the others would never save."""
+        """A preemption notice: the whole job checkpoints at its next step boundary.
+        Only for scripts that use ``elastic.checkpoint_requested()``: the others would
+        never save, so nobody waits for them."""
         coordinator, grace = self._coordinator, self._spec.preemption_grace
         if coordinator is None or not self._workers or grace <= 0:
             return
-        if not coordinator.control.listening():
-            return
-        world = self._group.group_world_size or 1
-        print(
-            f"elastic: {name}: preemption notice; the job checkpoints before this node "
-            f"leaves (--preemption-grace {grace:g}s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            who = {"node": self._node_id, "host": socket.gethostname(), "at": time.time()}
-            coordinator.announce(who)
-        except RendezvousError:
-            return
-
-        def alive() -> bool:
-            return all(w.poll() is None for w in self._workers)
-
-        if wait_for_save(coordinator, world, grace, alive):
-            print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr)
-        else:
-            print(
-                "elastic: no complete checkpoint within the grace; leaving anyway (the job "
-                "resumes from its last complete checkpoint)",
-                file=sys.stderr,
-                flush=True,
+        if coordinator.control.listening():
+            checkpoint_before_leaving(
+                coordinator,
+                name,
+                self._node_id,
+                self._group.group_world_size or 1,
+                grace,
+                lambda: all(w.poll() is None for w in self._workers),
             )
 
     # --- the loop -----------------------------------------------------------------------
@@ -479,25 +458,11 @@ class LocalElasticAgent(ElasticAgent):
         return None
 
     def _departure_caused(self, records: list[fail.FailureRecord]) -> bool:
-        """Whether a member of this round left or died: at once if it is already known
-        (a departing node says so before its workers stop); otherwise, unless the
-        workers' own errors show a failure of their own, after waiting a liveness
-        timeout for the rendezvous to confirm a crashed peer."""
-        if store_call(self._handler.membership_changed):
-            return True
-        if not all(fail.may_be_peer_loss(record) for record in records):
-            return False
-        deadline = time.monotonic() + PEER_LOSS_WAIT
-        while time.monotonic() < deadline:
-            with self._guard.waiting():
-                time.sleep(0.25)
-            if store_call(self._handler.membership_changed):
-                return True
-            if self._store is not None and store_call(
-                self._store.check, [CLAIM_KEY.format(self._group.round)]
-            ):
-                return False  # another node's workers failed first: a real failure
-        return False
+        def sleep(seconds: float) -> None:
+            with self._guard.waiting():  # a signal meanwhile is handled, not deferred
+                time.sleep(seconds)
+
+        return departure_caused(self._handler, self._store, self._group.round, records, sleep)
 
     def _give_up(self) -> None:
         assert self._store is not None

@@ -29,7 +29,9 @@ import contextlib
 import json
 import mmap
 import os
+import socket
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -146,3 +148,34 @@ def wait_for_save(
     except RendezvousError:
         return False
     return False
+
+
+def checkpoint_before_leaving(
+    coordinator: Coordinator,
+    signal_name: str,
+    node_id: str,
+    world_size: int,
+    grace: float,
+    workers_alive: Callable[[], bool],
+) -> None:
+    """The departing agent's part: announce the notice, then wait (bounded by ``grace``)
+    until every node saved, saying what happened in one line each."""
+    print(
+        f"elastic: {signal_name}: preemption notice; the job checkpoints before this node "
+        f"leaves (--preemption-grace {grace:g}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        coordinator.announce({"node": node_id, "host": socket.gethostname(), "at": time.time()})
+    except RendezvousError:
+        return
+    if wait_for_save(coordinator, world_size, grace, workers_alive):
+        print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr, flush=True)
+    else:
+        print(
+            "elastic: no complete checkpoint within the grace; leaving anyway (the job "
+            "resumes from its last complete checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
