@@ -16,6 +16,7 @@ from elastic.testing.cluster import (
     ETC_NETNS,
     SUPERNET,
     Cluster,
+    ClusterError,
     Host,
     netem_available,
     sweep_stale,
@@ -199,11 +200,10 @@ def test_partition_drops_traffic_between_groups_only(cluster_factory: Make) -> N
 
 
 @pytest.mark.timeout(40)
-@pytest.mark.parametrize("shaper", ["netem", "relay"])
+@pytest.mark.parametrize("shaper", ["auto", "relay"])  # auto: netem where the kernel has it
 def test_latency_raises_round_trip_until_cleared(cluster_factory: Make, shaper: str) -> None:
-    if shaper == "netem" and not netem_available():
-        pytest.skip("this kernel has no sch_netem; the relay shaper stands in for it")
     cluster = cluster_factory(2, shaper=shaper)
+    assert cluster.shaper == ("netem" if shaper == "auto" and netem_available() else "relay")
     a, b = cluster.hosts
     echo_server(a)
     before = median_rtt(b, a)
@@ -214,6 +214,15 @@ def test_latency_raises_round_trip_until_cleared(cluster_factory: Make, shaper: 
     # Relative bounds, as a loaded machine inflates every round trip; none is below 100 ms
     # with the delay on.
     assert delayed >= 99 and before < delayed - 60 and after < delayed - 60
+
+
+@pytest.mark.timeout(30)
+def test_netem_is_used_when_asked_or_refused_in_one_line(cluster_factory: Make) -> None:
+    if netem_available():
+        assert cluster_factory(1, shaper="netem").shaper == "netem"
+    else:
+        with pytest.raises(ClusterError, match="no tc netem.*shaper='relay'"):
+            cluster_factory(1, shaper="netem")
 
 
 @pytest.mark.timeout(30)
