@@ -37,7 +37,6 @@ LEGACY_ETCD_ONLY = frozenset(
     {
         "test_stable_ranks_when_the_same_nodes_regroup",
         "test_regroup_after_a_departure_skips_the_last_call",
-        "test_departure_is_not_completion",
     }
 )
 # A fixed set of nodes, each told its rank, node 0 hosting the store: no membership.

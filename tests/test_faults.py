@@ -91,14 +91,18 @@ def start_job(cluster_factory: Make, tmp_path: Path) -> Iterator[Callable[..., S
         else:
             cluster = cluster_factory(3 + etcd_members)
             nodes, etcd_hosts = cluster.hosts[:3], cluster.hosts[3:]
-            start_etcd(etcd_hosts, tmp_path, v2=backend == "etcd-v2")
+            start_etcd(etcd_hosts, tmp_path, v2=backend in ("etcd-v2", "etcd"))
             endpoint = etcd_endpoint(etcd_hosts)
+        conf = dict(conf or {})
+        if backend == "etcd" and "heartbeat_timeout" in conf:
+            # The legacy protocol's liveness is a keep-alive TTL (refreshed every TTL/3).
+            conf = {"keep_alive_ttl": conf.pop("heartbeat_timeout")}
         job = FaultJob(
             cluster,
             tmp_path / "job",
             backend,
             endpoint,
-            conf={"last_call_timeout": 1, **(conf or {})},
+            conf={"last_call_timeout": 1, **conf},
             args=["--max-restarts=0"],
         )
         for host in nodes:
@@ -125,7 +129,7 @@ def regrouped(setup: Setup, survivors: list[Host], since: float, limit: float, w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
 def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], backend: str) -> None:
     setup = start_job(backend)  # heartbeat defaults: 1 s, timeout 5 s
     victim = setup.victim()
@@ -143,7 +147,7 @@ def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], bac
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
 def test_sigkill_of_a_node(start_job: Callable[..., Setup], backend: str) -> None:
     setup = start_job(backend, FAST)
     victim = setup.victim()
@@ -161,7 +165,7 @@ CUT_FOR = 15.0  # s the cable stays out
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
 def test_cut_node_stops_its_workers_and_rejoins_after_heal(
     start_job: Callable[..., Setup], backend: str
 ) -> None:

@@ -8,8 +8,10 @@ read_timeout, retry_timeout. ``RendezvousInfo.store`` is an etcd ``Store`` under
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +23,7 @@ from elastic.core.rendezvous import (
     MemberStatus,
     RendezvousConfigError,
     RendezvousError,
+    RendezvousFencedError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -52,6 +55,8 @@ ACCEPTED_KEYS = (
     "keep_alive_ttl",
 )
 DEFAULT_PREFIX = "/elastic/etcd"
+
+log = logging.getLogger(__name__)
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -94,6 +99,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._waiting = 0
         self._watcher: threading.Thread | None = None
         self._stop_watch = threading.Event()
+        # Fencing: when the watcher last saw our own keep-alive in the round, and whether
+        # it found it gone (expired: the others count us lost).
+        self._confirmed_at = time.monotonic()
+        self._evicted = False
+        self._left = False
         if not params.read_only:
             self.rdzv.setup()
 
@@ -128,6 +138,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         ]
         self._round = (state["version"], members, leases)
         self._lost, self._waiting = (), 0
+        self._confirmed_at, self._evicted = time.monotonic(), False
         self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="etcd-monitor", daemon=True)
         self._watcher.start()
@@ -157,20 +168,72 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._waiting
 
     def lost_nodes(self) -> list[str]:
+        if self._round is not None and self._watcher is not None:
+            self._raise_if_fenced()
         return list(self._lost)
 
+    def membership_changed(self) -> bool:
+        """Fresh: is a member's keep-alive of the current round gone (expired or left)?"""
+        if self._round is None:
+            return False
+        version, members, leases = self._round
+        alive = self.rdzv.live_keys(version)
+        return any(
+            lease not in alive
+            for node, lease in zip(members, leases, strict=True)
+            if node != self.node
+        )
+
+    def _raise_if_fenced(self) -> None:
+        """A node that cannot confirm its keep-alive for its TTL, or whose keep-alive
+        expired, is out of the round: its workers must stop (see core/round/monitor.py
+        for the same rule on the other dynamic backends)."""
+        if self._evicted:
+            raise RendezvousFencedError(
+                "the job declared this node lost (its keep-alive expired); stopping its "
+                "workers and rejoining"
+            )
+        silent = time.monotonic() - self._confirmed_at
+        if silent > self.keep_alive_ttl:
+            raise RendezvousFencedError(
+                f"cannot reach the rendezvous store at {self.params.endpoint} for "
+                f"{silent:.1f}s (keep_alive_ttl={self.keep_alive_ttl}s): stopping this "
+                "node's workers so it never trains in a world that has moved on; it "
+                "rejoins when etcd answers"
+            )
+
+    def leave(self) -> None:
+        """Delete our keep-alive: the others see it gone at once and regroup without us,
+        and without spending a restart (never "done": the job goes on)."""
+        if self.params.read_only or self._left:
+            return
+        self._left = True
+        self._stop_watcher()
+        try:
+            self.rdzv.leave()
+        except (RendezvousError, etcd.EtcdException) as exc:
+            log.warning("etcd rendezvous: could not record our departure: %s", exc)
+
     def shutdown(self) -> bool:
-        """Leave cleanly: our keep-alive becomes a permanent "done" that the others do not
-        count as lost (the agent calls this on every exit; closing is ``set_closed``)."""
+        """Out of the job: "done" (a permanent keep-alive the others do not count as
+        lost) when the job is closed, a departure otherwise."""
         ok = True
         self._stop_watcher()
-        self.keepalive.stop()
         lease = self.rdzv.my_lease
-        if lease and not self.params.read_only:
+        if lease and not self.params.read_only and not self._left:
             try:
-                self.client.call("write", lease, "done", retry_for=5.0)
-            except Exception:  # noqa: BLE001 - reported through the result
-                ok = False
+                finished = self.is_closed()
+            except (RendezvousError, etcd.EtcdException):
+                finished = False
+            if finished:
+                self.keepalive.remove(lease)
+                try:
+                    self.client.call("write", lease, "done", retry_for=5.0)
+                except Exception:  # noqa: BLE001 - reported through the result
+                    ok = False
+            else:
+                self.leave()
+        self.keepalive.stop()
         return ok
 
     # -- liveness of the current round (cached for the agent's 0.1 s polling) ------------
@@ -200,6 +263,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if node != self.node and lease not in alive
             ]
             self._lost = () if closed else tuple(lost)
+            mine = self.rdzv.my_lease
+            if mine is not None and mine in leases:
+                if mine in alive:
+                    self._confirmed_at = time.monotonic()
+                elif not closed:
+                    self._evicted = True
             same = state.get("status") == "final" and state.get("version") == version
             self._waiting = int(state.get("num_workers_waiting", 0)) if same else 0
             index = active.etcd_index + 1 if active is not None else None
