@@ -1,9 +1,9 @@
 """Faults on a simulated 3-host network: how long until the survivors train again.
 
 For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed, its
-cable is cut) and each launcher/backend (torchrun 2.13 with c10d, ours with c10d, ours
-with etcd-v3 on a fourth host), a fresh ``elastic.testing.cluster`` cluster runs a
-``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
+cable is cut) and each launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with
+etcd-v3, etcd-v2 and the legacy etcd on a fourth host), a fresh ``elastic.testing.cluster``
+cluster runs a ``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
 together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
 before importing anything, then all-reduce every 0.1 s (noting each finished collective),
 so a lost peer is seen the way a real job sees it. Once the 3-node job runs, node 2 (never
@@ -16,8 +16,9 @@ finishing collectives), or "never" (they train on in the old world).
 Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
 5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
 
-    python bench/faults.py [--faults sigterm,sigkill,cut] [--impls torchrun,c10d,etcd-v3]
-                           [--bound 45] [--repeat 1] [--json out.json] [--keep DIR]
+    python bench/faults.py [--faults sigterm,sigkill,cut]
+                           [--impls torchrun,c10d,etcd-v3,etcd-v2,etcd] [--bound 45]
+                           [--repeat 1] [--json out.json] [--keep DIR]
 
 Needs root (network namespaces); prints a Markdown table, then JSON.
 """
@@ -49,18 +50,20 @@ IMPLS = {  # column -> (launcher, backend)
     "torchrun": ("torchrun", "c10d"),
     "c10d": ("ours", "c10d"),
     "etcd-v3": ("ours", "etcd-v3"),
+    "etcd-v2": ("ours", "etcd-v2"),
+    "etcd": ("ours", "etcd"),
 }
-HEADERS = {"torchrun": "torchrun (c10d)", "c10d": "ours c10d", "etcd-v3": "ours etcd-v3"}
+HEADERS = {"torchrun": "torchrun (c10d)", **{k: f"ours {k}" for k in IMPLS if k != "torchrun"}}
 FAULTS = {"sigterm": "SIGTERM to its agent", "sigkill": "SIGKILL (node lost)", "cut": "cable cut"}
 FORM_TIMEOUT = 120.0
 
 
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
-    with Cluster(4 if backend == "etcd-v3" else 3) as cluster:
+    with Cluster(3 if backend == "c10d" else 4) as cluster:
         nodes = cluster.hosts[:3]
-        if backend == "etcd-v3":
-            start_etcd(cluster.hosts[3:], workdir)
+        if backend != "c10d":
+            start_etcd(cluster.hosts[3:], workdir, v2=backend in ("etcd-v2", "etcd"))
             endpoint = etcd_endpoint(cluster.hosts[3:])
         else:
             endpoint = f"{nodes[0].name}:{C10D_PORT}"
