@@ -21,18 +21,27 @@ The launchers alternate (who goes first alternates each repetition) after a disc
 warm-up of each at the smallest N. Each run is capped (``--timeout``); a run is also cut
 short when ``MemAvailable`` falls below ``--min-available-mb``, so a launcher that does not
 fit the machine's memory fails instead of waking the OOM killer. After a failed run a
-launcher is not tried at larger N (``--keep-going`` to try anyway). Every agent's process
-group, every descendant and every worker (by the pid it records) is SIGKILLed after each
-run, failed or not.
+launcher is not tried at larger N (``--keep-going [ours,torchrun]`` to try anyway).
+Every agent's process group, every descendant and every worker (by the pid it records) is
+SIGKILLed after each run, failed or not.
 
 Heartbeat runs (``--heartbeat-seconds S`` at ``--heartbeat-nodes``, workers ``sleep``):
 once all N workers run and ``--settle`` s have passed, the store host's CPU time
 (``/proc/<pid>/stat``) is read over S seconds, as is every other agent's. For ours the
 store's requests are counted too: the agents run through a ``-c`` wrapper that counts
-``TCPStoreServer._handle`` calls (``--no-count-requests`` to run them bare). At the end of
+``TCPStoreServer._handle`` calls by kind (``--no-count-requests``: bare). At the end of
 the interval every agent's ``VmHWM`` (peak RSS so far: rendezvous, spawn and S s of
 heartbeats, not the exit) is read. Heartbeat intervals are each launcher's default: ours
 ``heartbeat_interval`` 1 s, torchrun's ``keep_alive_interval`` 5 s.
+
+Bytecode: this environment sets ``PYTHONDONTWRITEBYTECODE=1`` and the project is an
+editable install without ``__pycache__``, so every agent of ours would compile its ~100
+modules from source (~0.18 s CPU each) while torch's are cached in site-packages, as on any
+real install. ``--bytecode cached`` (the default) gives every interpreter a
+``PYTHONPYCACHEPREFIX`` (``--pycache-prefix``), filled by a priming 1-node job of each
+launcher before anything is timed; ``--bytecode env`` runs as the environment says.
+``--ours-args``/``--torchrun-args`` add launcher options (e.g.
+``--rdzv-conf=heartbeat_timeout=30``).
 
 ``--startup`` also measures one agent's start-up alone: CPU time of ``<launcher> --help``
 (median of 5) and the largest cumulative imports of ``python -X importtime``.
@@ -51,6 +60,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -84,21 +94,21 @@ WORKER = HERE / "workers" / "probe.py"
 METRICS = ("workers", "wall", "cpu_median", "cpu_total")
 HEARTBEAT_INTERVAL = {"ours": 1.0, "torchrun": 5.0}  # each launcher's default, seconds
 
-# ``python -c COUNTING_AGENT run ...``: ours, with the store's requests counted. The
-# agent that hosts the store rewrites STORE_COUNT_FILE ("<pid> <requests> <time>") every
-# second; the others only carry the (unused) patch.
+# ``python -c COUNTING_AGENT run ...``: ours, with the store's requests counted by kind.
+# The agent that hosts the store rewrites STORE_COUNT_FILE ("<pid> <time> <json counts>")
+# every second; the others only carry the (unused) patch.
 COUNTING_AGENT = """
-import os, sys, threading, time
+import collections, json, os, sys, threading, time
 from elastic.core.tcpstore import server
-count = [0]
+count = collections.Counter()
 handle, init = server.TCPStoreServer._handle, server.TCPStoreServer.__init__
 def counted(self, conn, req):
-    count[0] += 1
+    count[req.query.name] += 1
     return handle(self, conn, req)
 def dump(path):
     while True:
         with open(path + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {count[0]} {time.time()}")
+            f.write(f"{os.getpid()} {time.time()} {json.dumps(dict(count))}")
         os.replace(path + ".tmp", path)
         time.sleep(1.0)
 def start(self, *args, **kwargs):
@@ -123,6 +133,7 @@ class Job:
         env: dict[str, str],
         work: Path,
         count_requests: bool = False,
+        extra: list[str] | None = None,
     ) -> None:
         self.impl, self.nodes = impl, nodes
         self.dir = Path(tempfile.mkdtemp(prefix=f"{impl}-{nodes}-", dir=work))
@@ -139,6 +150,7 @@ class Job:
             f"--rdzv-endpoint=127.0.0.1:{self.port}",
             f"--rdzv-id=scale-{uuid.uuid4().hex[:12]}",
             "--max-restarts=0",
+            *(extra or []),
             str(WORKER),
             str(self.dir),
             mode,
@@ -151,6 +163,7 @@ class Job:
         self._threads: list[threading.Thread] = []
         self.logs = [self.dir / f"agent{i}.log" for i in range(nodes)]
         self.started = 0.0
+        self.exits_before_kill: dict[int, tuple[int, float, float, int]] = {}
 
     def start(self) -> None:
         self.started = time.time()
@@ -216,6 +229,8 @@ class Job:
     def kill(self) -> None:
         """SIGKILL every agent's group and descendants, and every worker that recorded
         its pid; then reap the agents."""
+        with self._lock:
+            self.exits_before_kill = dict(self.exits)
         for proc in self.procs:
             kill_tree(proc.pid)
         for stamp in self.stamps():
@@ -230,16 +245,17 @@ class Job:
             thread.join()
 
     def failure(self, reason: str) -> dict[str, Any]:
-        codes = {i: self.exits[i][0] for i in sorted(self.exits)}
+        # What the agents did on their own: the exits before the bench killed the rest.
+        codes = {i: self.exits_before_kill[i][0] for i in sorted(self.exits_before_kill)}
         bad = [i for i in range(self.nodes) if codes.get(i, 0) != 0][:3]
         if not bad:
-            bad = [i for i in range(self.nodes) if i not in codes][:3]
+            bad = [0, *[i for i in range(1, self.nodes) if i not in codes][:2]]
         return {
             "ok": False,
             "reason": reason,
             "dir": str(self.dir),
-            "agents_exited": len(codes),
-            "nonzero_exits": sum(1 for c in codes.values() if c != 0),
+            "agents_exited_before_kill": len(codes),
+            "nonzero_exits_before_kill": sum(1 for c in codes.values() if c != 0),
             "workers_started": self.workers_started(),
             "log_tails": {
                 f"agent{i}": self.logs[i].read_text(errors="replace")[-1200:] for i in bad
@@ -250,7 +266,7 @@ class Job:
 def scale_run(
     impl: str, nodes: int, env: dict[str, str], work: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    job = Job(impl, nodes, "start", env, work)
+    job = Job(impl, nodes, "start", env, work, extra=args.extra[impl])
     try:
         job.start()
         reason = job.wait(lambda: job.alive() == 0, job.started + args.timeout, args.min_mb)
@@ -275,12 +291,13 @@ def scale_run(
     }
 
 
-def read_count(path: Path) -> tuple[int, int, float] | None:
+def read_count(path: Path) -> tuple[dict[str, int], float] | None:
+    """The store host's request counts by kind, and when it wrote them."""
     try:
-        pid, count, stamp = path.read_text().split()
+        _, stamp, counts = path.read_text().split(" ", 2)
+        return json.loads(counts), float(stamp)
     except (OSError, ValueError):
         return None
-    return int(pid), int(count), float(stamp)
 
 
 def heartbeat_run(
@@ -288,7 +305,9 @@ def heartbeat_run(
 ) -> dict[str, Any]:
     hold = args.timeout + args.settle + args.heartbeat_seconds + 60
     count = args.count_requests and impl == "ours"
-    job = Job(impl, nodes, f"sleep:{hold:g}", env, work, count_requests=count)
+    job = Job(
+        impl, nodes, f"sleep:{hold:g}", env, work, count_requests=count, extra=args.extra[impl]
+    )
     try:
         job.start()
         reason = job.wait(
@@ -347,17 +366,49 @@ def heartbeat_run(
             "host": round((hwm[host] or 0) / 1024, 1),
         },
     }
-    if before_count and after_count and after_count[2] > before_count[2]:
-        requests = after_count[1] - before_count[1]
-        per_s = requests / (after_count[2] - before_count[2])
+    if before_count and after_count and after_count[1] > before_count[1]:
+        took = after_count[1] - before_count[1]
+        kinds = {
+            k: after_count[0][k] - before_count[0].get(k, 0)
+            for k in sorted(after_count[0])
+            if after_count[0][k] != before_count[0].get(k, 0)
+        }
+        per_s = sum(kinds.values()) / took
         result["store_requests"] = {
-            "counted_over_s": round(after_count[2] - before_count[2], 3),
+            "counted_over_s": round(took, 3),
+            "per_node_per_s_by_kind": {k: round(v / took / nodes, 2) for k, v in kinds.items()},
             "per_s": round(per_s, 1),
             "per_heartbeat_interval": round(per_s * interval, 1),
             "per_node_per_interval": round(per_s * interval / nodes, 2),
             "host_cpu_us_per_request": round(host_cpu / span / per_s * 1e6, 1) if per_s else None,
         }
     return result
+
+
+def prime(env: dict[str, str], impls: list[str], work: Path) -> dict[str, float]:
+    """One 1-node c10d job of each launcher, so every module an agent or a worker imports
+    has its bytecode in the cache before anything is timed. Returns each one's wall time."""
+    took = {}
+    for impl in impls:
+        job = Job(impl, 1, "start", env, work)
+        try:
+            job.start()
+            job.wait(lambda job=job: job.alive() == 0, job.started + 300, 0.0)
+        finally:
+            job.kill()
+        took[impl] = round(time.time() - job.started, 2)
+    return took
+
+
+def bytecode_env(env: dict[str, str], mode: str, prefix: str) -> dict[str, str]:
+    """``cached``: bytecode is written once to (and read from) ``prefix`` for every module,
+    the project's included, whatever ``PYTHONDONTWRITEBYTECODE`` says; ``env``: as the
+    environment has it."""
+    if mode == "env":
+        return env
+    env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = prefix
+    return env
 
 
 def startup_profile(env: dict[str, str], impls: list[str]) -> dict[str, Any]:
@@ -437,7 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="cap per run, seconds")
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument(
-        "--keep-going", action="store_true", help="try larger N after a launcher failed"
+        "--keep-going",
+        nargs="?",
+        const="ours,torchrun",
+        default="",
+        help="comma list of launchers tried at larger N after they failed (bare: both)",
     )
     parser.add_argument(
         "--min-available-mb",
@@ -456,11 +511,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-load", type=float, default=3.0)
     parser.add_argument("--nofile", type=int, default=65536, help="raise RLIMIT_NOFILE to this")
     parser.add_argument("--keep-dirs", action="store_true", help="keep agent logs and stamps")
+    parser.add_argument("--ours-args", default="", help="extra launcher options for ours")
+    parser.add_argument("--torchrun-args", default="", help="extra options for torchrun")
+    parser.add_argument(
+        "--bytecode",
+        choices=("cached", "env"),
+        default="cached",
+        help="cached: every interpreter reads bytecode from --pycache-prefix, written by a "
+        "priming run first; env: as the environment says (PYTHONDONTWRITEBYTECODE=1 makes "
+        "every agent compile the project's modules from source)",
+    )
+    parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
     add_report_options(parser)
     args = parser.parse_args(argv)
+    args.extra = {"ours": shlex.split(args.ours_args), "torchrun": shlex.split(args.torchrun_args)}
     impls = [i for i in args.impls.split(",") if i]
     node_list = [int(n) for n in args.nodes.split(",") if n]
-    env = bench_env(args)
+    env = bytecode_env(bench_env(args), args.bytecode, args.pycache_prefix)
     nofile = raise_nofile(args.nofile)
     quiet = wait_for_quiet(args.max_load, args.wait_quiet) if args.wait_quiet else None
     load_before = os.getloadavg()
@@ -468,13 +535,22 @@ def main(argv: list[str] | None = None) -> int:
     failed_any = False
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: module_launcher(i) for i in impls},
+        "launchers": {i: [*module_launcher(i), *args.extra[i]] for i in impls},
         "quiet_wait": quiet,
     }
 
     def note(text: str) -> None:
         print(f"  {text}", file=sys.stderr, flush=True)
 
+    report["bytecode"] = {
+        "mode": args.bytecode,
+        "PYTHONPYCACHEPREFIX": env.get("PYTHONPYCACHEPREFIX"),
+        "PYTHONDONTWRITEBYTECODE": env.get("PYTHONDONTWRITEBYTECODE"),
+    }
+    beat_impls = [i for i in args.heartbeat_impls.split(",") if i]
+    primed = [*impls, *(i for i in beat_impls if i not in impls and args.heartbeat_seconds)]
+    report["prime_s"] = prime(env, primed, work)
+    note(f"primed: {report['prime_s']}")
     if args.startup:
         report["startup"] = startup_profile(env, impls)
         for impl, entry in report["startup"].items():
@@ -506,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                         failed_any = True
                         failures[nodes][impl].append({"repeat": rep, **r})
                         text = f"FAILED ({r['reason']}, dir {r['dir']})"
-                        if not args.keep_going:
+                        if impl not in args.keep_going.split(","):
                             given_up.add(impl)
                     note(f"{impl} N={nodes} #{rep}: {text} load {os.getloadavg()[0]:.2f}")
         scale: dict[int, Any] = {}
@@ -532,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.heartbeat_seconds > 0:
         beats: dict[str, dict[int, Any]] = {}
-        for impl in [i for i in args.heartbeat_impls.split(",") if i]:
+        for impl in beat_impls:
             beats[impl] = {}
             for nodes in [int(n) for n in args.heartbeat_nodes.split(",") if n]:
                 r = heartbeat_run(impl, nodes, env, work, args)
