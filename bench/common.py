@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +217,18 @@ def wait_for_quiet(max_load: float, limit: float, poll: float = 30.0) -> dict[st
             flush=True,
         )
         time.sleep(poll)
+
+
+def in_scratch_dir(
+    prefix: str, keep: str | None, run: Callable[[Path], dict[str, Any]]
+) -> tuple[dict[str, Any], float]:
+    """``run(workdir)`` in a fresh temporary directory, copied under ``keep`` (when
+    given) and removed afterwards; returns its result and the seconds it took."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    started = time.monotonic()
+    try:
+        return run(workdir), time.monotonic() - started
+    finally:
+        if keep:
+            shutil.copytree(workdir, Path(keep) / workdir.name)
+        shutil.rmtree(workdir, ignore_errors=True)

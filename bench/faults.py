@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from common import in_scratch_dir
 from elastic.testing.cluster import Cluster, cluster_available
 from elastic.testing.multihost import (
     C10D_PORT,
@@ -136,19 +135,17 @@ def main() -> None:
     for fault in faults:
         for rep in range(args.repeat):
             for impl in impls if rep % 2 == 0 else impls[::-1]:
-                workdir = Path(tempfile.mkdtemp(prefix=f"faults-{impl}-{fault}-"))
-                started = time.monotonic()
-                case = run_case(impl, fault, args.bound, workdir)
+                case, took = in_scratch_dir(
+                    f"faults-{impl}-{fault}-",
+                    args.keep,
+                    lambda w, i=impl, f=fault: run_case(i, f, args.bound, w),
+                )
                 case.update(impl=impl, fault=fault, repeat=rep)
                 print(
-                    f"# {fault} / {impl} #{rep}: {case['result']} "
-                    f"({time.monotonic() - started:.0f} s)",
+                    f"# {fault} / {impl} #{rep}: {case['result']} ({took:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-                if args.keep:
-                    shutil.copytree(workdir, Path(args.keep) / workdir.name)
-                shutil.rmtree(workdir, ignore_errors=True)
                 results.append(case)
     print("| a node leaves by | " + " | ".join(HEADERS[i] for i in impls) + " |")
     print("| --- |" + " --- |" * len(impls))

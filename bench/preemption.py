@@ -39,55 +39,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import add_report_options, wait_for_quiet
+from common import add_report_options, in_scratch_dir, wait_for_quiet
 from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import (
-    C10D_PORT,
-    PREEMPT_WORKER,
-    FaultJob,
-    read_events,
-    wait_until,
-)
+from elastic.testing.multihost import last_step, preempt_job, read_events, wait_until
 
 IMPLS = {"torchrun": "torchrun (c10d)", "ours": "ours (c10d)"}
 FORM_TIMEOUT = 120.0
 
 
-def last_step(seen: list[dict[str, Any]], world: int) -> int:
-    return max((e["step"] for e in seen if e["event"] == "step" and e["world"] == world), default=0)
-
-
 def run_case(impl: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     env = {} if args.keep_resolver else {"RES_OPTIONS": "timeout:1 attempts:1"}
-    steps = args.at + args.after
     with Cluster(3) as cluster:
         nodes = list(cluster.hosts)
-        ckpt = workdir / "ckpt"
-        ckpt.mkdir(parents=True)
-        script = workdir / "preempt_worker.py"
-        script.write_text(PREEMPT_WORKER)
-        job = FaultJob(
+        job = preempt_job(
             cluster,
-            workdir / "job",
-            "c10d",
-            f"{nodes[0].name}:{C10D_PORT}",
-            launcher=impl,
+            workdir,
+            steps=args.at + args.after,
+            every=args.every,
+            pause=args.pause,
             nnodes="2:3",
-            conf={"last_call_timeout": 1},
             args=["--max-restarts=3"],
-            script=script,
-            script_args=[str(ckpt), str(steps), str(args.every), str(args.pause)],
-            run_id="preempt",
+            launcher=impl,
             env=env,
         )
         for host in nodes:
@@ -142,10 +122,13 @@ def run_case(impl: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
         began = [r["t"] for r in job.starts() if r["world"] == 2 and r["t"] > at]
         out["workers_s"] = round(max(began) - at, 2) if began else None
         try:
-            final = json.loads((ckpt / "final.json").read_text())
+            final = json.loads((workdir / "ckpt" / "final.json").read_text())
         except (OSError, ValueError):
             final = {}
-        out["finished"] = final.get("step") == steps and out["survivor_exits"] == [0, 0]
+        out["finished"] = final.get("step") == args.at + args.after and out["survivor_exits"] == [
+            0,
+            0,
+        ]
         out["result"] = (
             f"{out['steps_lost']} steps lost, next step {out['next_step_s']:.2f} s"
             + (f", restart {out['restart']}" if out["restart"] else ", no restart")
@@ -195,20 +178,16 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for rep in range(args.repeat):
         for impl in impls if rep % 2 == 0 else impls[::-1]:
-            workdir = Path(tempfile.mkdtemp(prefix=f"preemption-{impl}-"))
-            started = time.monotonic()
-            case = run_case(impl, args, workdir)
+            case, took = in_scratch_dir(
+                f"preemption-{impl}-", args.keep, lambda w, i=impl: run_case(i, args, w)
+            )
             case.update(impl=impl, repeat=rep)
-            took = time.monotonic() - started
             load = os.getloadavg()[0]
             print(
                 f"# {impl} #{rep}: {case['result']} ({took:.0f} s, load {load:.2f})",
                 file=sys.stderr,
                 flush=True,
             )
-            if args.keep:
-                shutil.copytree(workdir, Path(args.keep) / workdir.name)
-            shutil.rmtree(workdir, ignore_errors=True)
             results.append(case)
     load_after = os.getloadavg()[0]
 

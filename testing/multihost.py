@@ -33,9 +33,8 @@ ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 C10D_PORT = 29400
 
-WORKER = """\
-import json, os, signal, socket, sys, time
-t0 = time.time()
+# Both workers' first lines: one start record per worker process, ``t0`` its time.
+START_RECORD = """\
 out = os.environ["FAULTS_OUT"]
 rec = {
     "t": t0,
@@ -51,6 +50,15 @@ path = os.path.join(out, f"start-{rec['host']}-{rec['pid']}.json")
 with open(path + ".tmp", "w") as f:
     json.dump(rec, f)
 os.rename(path + ".tmp", path)  # readers never see half a record
+"""
+
+WORKER = (
+    """\
+import json, os, signal, socket, sys, time
+t0 = time.time()
+"""
+    + START_RECORD
+    + """\
 print("WORKER", json.dumps(rec), flush=True)
 
 
@@ -88,6 +96,7 @@ else:
         time.sleep(0.05)
 print("WORKER-DONE", rec["host"], flush=True)
 """
+)
 
 
 def launcher_cmd(impl: str) -> list[str]:
@@ -308,7 +317,8 @@ def start_etcd(
 # host, pid, rank, world and restart count. Rank 0 writes ``CKPT_DIR/final.json`` (step,
 # world, weights) at the end. The global batch depends on the step only and splits evenly
 # over 1, 2 or 3 nodes, so any regrouping gives the reference's weights.
-PREEMPT_WORKER = """\
+PREEMPT_WORKER = (
+    """\
 import json, os, socket, sys, time
 t0 = time.time()  # the start record's time: before torch is imported
 import torch
@@ -345,21 +355,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 import elastic
 
-out = os.environ["FAULTS_OUT"]
-rec = {
-    "t": t0,
-    "host": socket.gethostname(),
-    "pid": os.getpid(),
-    "rank": int(os.environ["RANK"]),
-    "world": int(os.environ["WORLD_SIZE"]),
-    "group_rank": int(os.environ["GROUP_RANK"]),
-    "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-    "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"],
-}
-path = os.path.join(out, f"start-{rec['host']}-{rec['pid']}.json")
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.rename(path + ".tmp", path)
+"""
+    + START_RECORD
+    + """\
 events = os.open(os.path.join(out, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
@@ -408,6 +406,7 @@ if rank == 0:
         json.dump({"step": step, "world": world, "weights": weights(model)}, f)
 dist.destroy_process_group()
 """
+)
 
 
 def read_events(workdir: Path) -> list[dict[str, Any]]:
@@ -423,3 +422,42 @@ def read_events(workdir: Path) -> list[dict[str, Any]]:
         except ValueError:  # a line being written right now
             continue
     return sorted(records, key=lambda r: r["t"])
+
+
+def last_step(seen: list[dict[str, Any]], world: int) -> int:
+    """The last step completed by any rank of a ``world``-rank round (``read_events``)."""
+    return max((e["step"] for e in seen if e["event"] == "step" and e["world"] == world), default=0)
+
+
+def preempt_job(
+    cluster: Cluster,
+    workdir: Path,
+    *,
+    steps: int,
+    every: int,
+    pause: float,
+    nnodes: str,
+    args: list[str],
+    launcher: str = "ours",
+    env: dict[str, str] | None = None,
+) -> FaultJob:
+    """A c10d job of ``PREEMPT_WORKER``s on every host of ``cluster`` (not started),
+    checkpointing under ``workdir/ckpt``; ``args`` the launcher flags (restarts, grace)."""
+    ckpt = workdir / "ckpt"
+    ckpt.mkdir(parents=True)
+    script = workdir / "preempt_worker.py"
+    script.write_text(PREEMPT_WORKER)
+    return FaultJob(
+        cluster,
+        workdir / "job",
+        "c10d",
+        f"{cluster.hosts[0].name}:{C10D_PORT}",
+        launcher=launcher,
+        nnodes=nnodes,
+        conf={"last_call_timeout": 1},
+        args=args,
+        script=script,
+        script_args=[str(ckpt), str(steps), str(every), str(pause)],
+        run_id="preempt",
+        env=env or {},
+    )

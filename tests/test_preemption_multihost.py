@@ -26,14 +26,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from elastic.testing.cluster import Cluster, Host
 from elastic.testing.multihost import (
-    C10D_PORT,
     PREEMPT_WORKER,
     FaultJob,
+    last_step,
+    preempt_job,
     read_events,
     wait_until,
 )
@@ -57,21 +57,14 @@ FORM_TIMEOUT = 60.0  # first round: every agent imports and connects on 2 cores
 def start_job(cluster: Cluster, workdir: Path, nnodes: str) -> tuple[FaultJob, list[Host]]:
     """The job on every host of ``cluster``, once it runs as one round of all of them."""
     nodes = list(cluster.hosts)
-    ckpt = workdir / "ckpt"
-    ckpt.mkdir(parents=True)
-    script = workdir / "preempt_worker.py"
-    script.write_text(PREEMPT_WORKER)
-    job = FaultJob(
+    job = preempt_job(
         cluster,
-        workdir / "job",
-        "c10d",
-        f"{nodes[0].name}:{C10D_PORT}",
+        workdir,
+        steps=STEPS,
+        every=0,
+        pause=PAUSE,
         nnodes=nnodes,
-        conf={"last_call_timeout": 1},
         args=["--max-restarts=0", f"--preemption-grace={GRACE:g}"],
-        script=script,
-        script_args=[str(ckpt), str(STEPS), "0", str(PAUSE)],
-        run_id="preempt",
     )
     for host in nodes:
         job.start(host)
@@ -81,11 +74,6 @@ def start_job(cluster: Cluster, workdir: Path, nnodes: str) -> tuple[FaultJob, l
     trained = wait_until(lambda: last_step(read_events(job.workdir), world) >= PREEMPT_AT, 60)
     assert trained, f"the {world}-node job did not train\n{job.texts()}"
     return job, nodes
-
-
-def last_step(seen: list[dict[str, Any]], world: int) -> int:
-    """The last step completed by any rank of a ``world``-rank round."""
-    return max((e["step"] for e in seen if e["event"] == "step" and e["world"] == world), default=0)
 
 
 def preempt(job: FaultJob, victims: list[Host]) -> float:
