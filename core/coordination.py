@@ -53,7 +53,9 @@ class CoordinationStore(Protocol):
         ...
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """Values of keys that exist, in one round trip where the server allows."""
+        """Values in ``keys`` order, ``b""`` for a key that does not exist; never blocks
+        (stored values are never empty: JSON, counters, heartbeats). One round trip
+        where the server allows."""
         ...
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:

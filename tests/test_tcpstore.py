@@ -19,6 +19,7 @@ from conftest import REPO, free_port
 from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.store import StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
+from elastic.core.tcpstore.view import Connection, PrefixStore
 
 HOST = "127.0.0.1"
 ClientFactory = Callable[..., TCPStoreClient]
@@ -232,6 +233,30 @@ def test_concurrent_clients_add_atomically(server: TCPStoreServer, connect: Clie
 
 
 # --- torch's client against our server ----------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_view_reads_missing_keys_as_empty_without_blocking(any_server: int) -> None:
+    # The rendezvous reads heartbeats and counters that may not exist yet in one
+    # MULTI_GET; torch's legacy server drops the connection on a missing key, so the
+    # view CHECKs a key once before it reads it that way. No read may wait for the
+    # client's 10 s timeout.
+    conn = Connection(HOST, any_server, timeout=10.0)
+    store = PrefixStore(conn, "job/")
+    try:
+        store.set("a", b"1")
+        started = time.monotonic()
+        assert store.multi_get(["a", "missing", "a"]) == [b"1", b"", b"1"]
+        assert store.multi_get(["missing"]) == [b""]
+        store.set("missing", b"now")
+        store.set("a", b"2")
+        assert store.multi_get(["missing", "a"]) == [b"now", b"2"]
+        assert store.delete_key("a")
+        assert store.multi_get(["a", "missing"]) == [b"", b"now"]
+        assert store.multi_get([]) == []
+        assert time.monotonic() - started < 5
+    finally:
+        conn.close()
 
 
 @pytest.mark.timeout(60)

@@ -253,10 +253,12 @@ class RoundRendezvousHandler(RendezvousHandler):
         while others and time.monotonic() < deadline:
             try:
                 values = self.rdzv_store.multi_get([R.hb_key(m) for m in others])
-            except Exception:  # the store is gone or a key is missing: nothing to wait for
+            except Exception:  # the store is gone: nothing to wait for
                 return
-            lost, done = tracker.update(dict(zip(others, values, strict=True)), time.monotonic())
-            others = [m for m in others if m not in set(lost) | set(done)]
+            # A key that is gone (a lease expired) is a node that no longer needs the store.
+            beats = {m: v for m, v in zip(others, values, strict=True) if v}
+            lost, done = tracker.update(beats, time.monotonic())
+            others = [m for m in beats if m not in set(lost) | set(done)]
             if others:
                 time.sleep(0.2)
         if others:

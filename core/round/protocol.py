@@ -214,10 +214,12 @@ class RoundProtocol:
             return []
         try:  # a slot is written right after it is taken: this wait is short
             self.store.wait(keys, timedelta(seconds=self.s.read_timeout))
-        except StoreTimeoutError:  # a joiner died between add and set: skip its slot
-            keys = [k for k in keys if self.store.check([k])]
+        except StoreTimeoutError:
+            pass  # a joiner died between add and set: its slot reads empty, and is skipped
         out = []
         for key, raw in zip(keys, self.store.multi_get(keys), strict=True):
+            if not raw:
+                continue
             record = R.loads(raw, self.full(key))
             if not R.valid_join(record, rnd):
                 log.warning("ignoring malformed join record at %s", self.full(key))

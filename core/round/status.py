@@ -42,9 +42,10 @@ def _join_records(store: PrefixStore, rnd: int) -> dict[str, dict[str, Any]]:
     """node id -> its join record for round ``rnd`` (one multi_get)."""
     count = _int(store, R.count_key(rnd)) or 0
     keys = [R.join_key(rnd, i) for i in range(1, count + 1)]
-    keys = keys if store.check(keys) else [k for k in keys if store.check([k])]
     out: dict[str, dict[str, Any]] = {}
     for key, raw in zip(keys, store.multi_get(keys), strict=True):
+        if not raw:
+            continue  # a slot taken by a joiner that died before writing it
         record = R.loads(raw, store.prefix + key)
         if R.valid_join(record, rnd):
             out.setdefault(record["id"], record)

@@ -136,13 +136,16 @@ class TCPStoreClient:
         with self._lock:
             return self._roundtrip(payload, self._i64) == 1
 
-    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of ``keys``, waiting up to ``timeout`` for all of them (as torch)."""
+    def multi_get(self, keys: Sequence[str], wait: bool = True) -> list[bytes]:
+        """The values of ``keys``, waiting up to ``timeout`` for all of them (as torch).
+        ``wait=False``: one round trip, a missing key reads as ``b""`` (as torch's libuv
+        server and ours answer a MULTI_GET that no WAIT preceded)."""
         if not keys:
             return []
         wire_keys = [self._key(k) for k in keys]
         with self._lock:
-            self._wait(wire_keys, self.timeout, keys)
+            if wait:
+                self._wait(wire_keys, self.timeout, keys)
             return self._roundtrip(
                 wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
                 lambda deadline: [self._blob(deadline) for _ in wire_keys],

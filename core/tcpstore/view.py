@@ -25,6 +25,9 @@ class Connection:
         self._client: TCPStoreClient | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # Keys seen to exist; nothing the rendezvous writes to a TCPStore is ever deleted
+        # (liveness is a value changing, not a key expiring), so they stay readable.
+        self._present: set[str] = set()
 
     def _current(self) -> TCPStoreClient:
         with self._lock:
@@ -45,9 +48,29 @@ class Connection:
             self.reset()
             raise
 
+    def read(self, keys: list[str]) -> list[bytes]:
+        """Current values, ``b""`` for a missing key, never blocking: one MULTI_GET once
+        the keys are known to exist. Without a WAIT before it, torch's libuv server and
+        ours answer a missing key with ``b""``, but torch's legacy server drops the
+        connection; so a key is CHECKed once before it is read that way."""
+        unknown = [k for k in dict.fromkeys(keys) if k not in self._present]
+        if unknown:
+            if self.call("check", unknown):
+                self._present.update(unknown)
+            else:
+                self._present.update(k for k in unknown if self.call("check", [k]))
+        present = [k for k in keys if k in self._present]
+        values = dict(zip(present, self.call("multi_get", present, False), strict=True))
+        return [values.get(k, b"") for k in keys]
+
+    def forget(self, key: str) -> None:
+        self._present.discard(key)
+
     def reset(self) -> None:
         with self._lock:
             client, self._client = self._client, None
+            # Possibly another server now (a restarted host): learn its keys again.
+            self._present = set()
         if client is not None:
             client.close()
 
@@ -93,13 +116,12 @@ class PrefixStore:
         return bool(self._conn.call("check", [self._k(k) for k in keys]))
 
     def delete_key(self, key: str) -> bool:
+        self._conn.forget(self._k(key))
         return bool(self._conn.call("delete_key", self._k(key)))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """One round trip for many keys (they must exist, or it blocks until timeout)."""
-        if not keys:
-            return []
-        return list(self._conn.call("multi_get", [self._k(k) for k in keys]))
+        """One round trip for many keys; a missing key reads as ``b""``."""
+        return self._conn.read([self._k(k) for k in keys]) if keys else []
 
     def close(self) -> None:
         self._conn.close()

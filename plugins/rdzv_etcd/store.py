@@ -79,7 +79,14 @@ class EtcdStore:
         self.client.call("write", self._path(key), _enc_value(value), ttl=self.heartbeat_ttl)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return [_dec_value(self.client.call("read", self._path(k)).value) for k in keys]
+        """v2 has no multi-key read: one read per key; a missing key reads as ``b""``."""
+        return [self._read_or_empty(k) for k in keys]
+
+    def _read_or_empty(self, key: str) -> bytes:
+        try:
+            return _dec_value(self.client.call("read", self._path(key)).value)
+        except etcd.EtcdKeyNotFound:
+            return b""
 
     def close(self) -> None:
         """python-etcd's pooled connections close with the client."""
