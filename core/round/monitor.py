@@ -2,13 +2,13 @@
 
 It has its own store connection (a TCPStore client serialises its operations, so a long
 ``wait`` in ``next_rendezvous`` would otherwise hold the heartbeat back). Each tick costs a
-node four operations whatever N is: its own heartbeat, one read of the ``events`` counter
-(only when it moved does the tick read ``closed``, the next round's counter, this round's
-``lost`` list and the refusals), and one liveness read (a ``check`` and a ``multi_get``):
-rank 0 reads every member's heartbeat in one ``multi_get``, every other member reads rank
-0's only. So a round costs O(N) operations per interval, never O(N^2); and since one
-Python store server answers them all, the constant matters: before the counter an idle
-tick was seven operations, and 768 handlers in one process saturated the server. The
+node two operations whatever N is: its own heartbeat, and one ``multi_get`` of the
+``events`` counter with the heartbeats it watches (rank 0 watches every member, every
+other member watches rank 0). Only when ``events`` moved does the tick read ``closed``,
+the next round's counter, this round's ``lost`` list and the refusals. So a round costs
+O(N) operations per interval, never O(N^2); and since one Python store server answers
+them all, the constant matters: an idle tick was seven operations before the counter,
+and 768 handlers in one process saturated the server. The
 agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return
 cached values and never block on the network.
 
@@ -17,10 +17,13 @@ changed for ``heartbeat_timeout`` of our own time and over several of our reads,
 clock skew nor this thread being starved on a loaded machine looks like a dead node. A
 heartbeat key that vanishes (a lease expired) is lost at once; "left" is a departure.
 
-Fencing: every tick that completes confirms our membership. When none has for
-``heartbeat_timeout`` (the store is unreachable: a partition, or its host is down), or the
-others published us as lost, ``fenced`` says why and the agent stops its workers: a node
-cut off from the job must never keep training in a world that has moved on.
+Fencing: every tick that completes confirms our membership. When the store has left a
+tick unanswered for ``heartbeat_timeout`` (it is unreachable: a partition, or its host is
+down), or the others published us as lost, ``fenced`` says why and the agent stops its
+workers: a node cut off from the job must never keep training in a world that has moved
+on. Only an unanswered request counts (``Unanswered``): with hundreds of agents starting
+on few cores a tick may run late, and that is not a partition; if it runs so late that
+our heartbeat goes stale, the others publish us as lost, which fences us as well.
 """
 
 from __future__ import annotations
@@ -77,6 +80,27 @@ class LivenessTracker:
         return lost, done
 
 
+class Unanswered:
+    """The fencing clock: how long the store has left us without an answer, counted from
+    the first request it has not answered. A thread that is merely late to ask (on a
+    machine starved of CPU) is not a store that does not answer, so it never counts;
+    a store that answers slowly but answers keeps the node in. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def asking(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def answered(self) -> None:
+        self._since = None
+
+    def seconds(self) -> float:
+        since = self._since  # one read: the other thread may clear it meanwhile
+        return 0.0 if since is None else time.monotonic() - since
+
+
 def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
     key = R.lost_key(rnd)
     if rnd < 0 or not store.check([key]):
@@ -129,7 +153,7 @@ class Monitor:
         self.closed = False
         self.waiting = 0
         self.lost: list[str] = []
-        self._confirmed_at = time.monotonic()
+        self._unanswered = Unanswered()
         # What to watch: the round we are a member of, or a forming round's coordinator.
         self._round: R.Assignment | None = None
         self._rank: int | None = None
@@ -174,7 +198,6 @@ class Monitor:
             self._round, self._rank = asg, rank
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
-            self._confirmed_at = time.monotonic()
             self._events_seen, self._published = None, []
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
@@ -191,7 +214,7 @@ class Monitor:
     def fenced(self, where: str) -> str | None:
         """Why this node can no longer count itself a member of its round, or None."""
         with self._lock:
-            asg, lost, confirmed_at = self._round, self.lost, self._confirmed_at
+            asg, lost = self._round, self.lost
         if asg is None:
             return None
         if self.node_id in lost:
@@ -199,7 +222,7 @@ class Monitor:
                 f"the job declared this node lost in round {asg.round} (its heartbeat was "
                 "not seen in time); stopping its workers and rejoining"
             )
-        silent = time.monotonic() - confirmed_at
+        silent = self._unanswered.seconds()
         if silent > self.timeout:
             return (
                 f"cannot reach the rendezvous store at {where} for {silent:.1f}s "
@@ -219,8 +242,10 @@ class Monitor:
         while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
             # After a stall, carry on from now rather than bursting to catch up.
             next_tick = max(next_tick + self.interval, time.monotonic())
+            self._unanswered.asking()
             try:
                 self._tick()
+                self._unanswered.answered()
             except (RendezvousStateError, RendezvousStoreGoneError) as exc:
                 # Final: corrupt state, or the store's host says the store is gone.
                 with self._lock:
@@ -248,7 +273,13 @@ class Monitor:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
             return  # between rounds the protocol itself sees closing and new rounds
-        events = self.store.add(R.EVENTS, 0)
+        # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
+        # itself, so everyone learns of a departure from the lost key within one tick.
+        targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
+        raw_events, *beats = self.store.multi_get([R.EVENTS] + [R.hb_key(m) for m in targets])
+        if not raw_events:
+            self.store.add(R.EVENTS, 0)  # create it, so the next reads find every key
+        events = R.counter(raw_events, self.store.prefix + R.EVENTS)
         with self._lock:
             closed, waiting, seen = self.closed, self.waiting, self._events_seen
         if events != seen:
@@ -257,12 +288,11 @@ class Monitor:
             waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
             self._published = read_lost(self.store, asg.round)
             self._log_refused()
-        lost = self._check_members(asg, rank)
+        lost = self._check_members(asg, dict(zip(targets, beats, strict=True)))
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
-                self._confirmed_at = time.monotonic()
 
     def _log_refused(self) -> None:
         """One line per node the job turned away (its fingerprint differed)."""
@@ -283,24 +313,8 @@ class Monitor:
                 )
             self._refused_seen = index
 
-    def _read_beats(self, nodes: list[str]) -> dict[str, bytes]:
-        """Heartbeat values in one round trip; a missing key reads as b"" instead of
-        blocking ``multi_get``."""
-        keys = [R.hb_key(n) for n in nodes]
-        if not keys:
-            return {}
-        if self.store.check(keys):
-            return dict(zip(nodes, self.store.multi_get(keys), strict=True))
-        present = [(n, k) for n, k in zip(nodes, keys, strict=True) if self.store.check([k])]
-        got = self.store.multi_get([k for _, k in present])
-        values = dict(zip([n for n, _ in present], got, strict=True))
-        return {n: values.get(n, b"") for n in nodes}
-
-    def _check_members(self, asg: R.Assignment, rank: int) -> list[str]:
-        # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
-        # itself, so everyone learns of a departure from the lost key within one tick.
-        targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
-        stale, _ = self._tracker.update(self._read_beats(targets), time.monotonic())
+    def _check_members(self, asg: R.Assignment, beats: dict[str, bytes]) -> list[str]:
+        stale, _ = self._tracker.update(beats, time.monotonic())
         new = sorted(set(stale) - set(self._published))
         if new:
             log.warning("round %d: lost %s", asg.round, ", ".join(new))
@@ -309,7 +323,7 @@ class Monitor:
         return self._published
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
-        beats = self._read_beats([coordinator])
+        beats = {coordinator: self.store.multi_get([R.hb_key(coordinator)])[0]}
         stale, done = self._watch_tracker.update(beats, time.monotonic())
         if stale or done:
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)

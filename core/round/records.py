@@ -86,6 +86,16 @@ def loads(raw: bytes, key: str) -> Any:
         ) from None
 
 
+def counter(raw: bytes, key: str) -> int:
+    """A counter's value as ``multi_get`` read it (``b""``: never added to, 0)."""
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise RendezvousStateError(
+            f"rendezvous state key {key!r} is not a counter: {bytes(raw[:60])!r}"
+        ) from None
+
+
 def sign(token: bytes, run_id: str, record: dict[str, Any]) -> str:
     # The run id is part of the message: a record cannot be replayed into another job.
     body = dumps({k: v for k, v in record.items() if k != "sig"})

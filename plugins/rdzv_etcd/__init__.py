@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +27,7 @@ from elastic.core.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
 )
+from elastic.core.round.monitor import Unanswered
 from elastic.plugins.rdzv_etcd.client import (
     CONNECTION_KEYS,
     EtcdClient,
@@ -99,9 +99,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._waiting = 0
         self._watcher: threading.Thread | None = None
         self._stop_watch = threading.Event()
-        # Fencing: when the watcher last saw our own keep-alive in the round, and whether
-        # it found it gone (expired: the others count us lost).
-        self._confirmed_at = time.monotonic()
+        # Fencing: how long etcd has left the watcher's reads unanswered (the shared
+        # clock), and whether it found our keep-alive gone (expired: the others count
+        # us lost).
+        self._unanswered = Unanswered()
         self._evicted = False
         self._left = False
         if not params.read_only:
@@ -138,7 +139,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         ]
         self._round = (state["version"], members, leases)
         self._lost, self._waiting = (), 0
-        self._confirmed_at, self._evicted = time.monotonic(), False
+        self._unanswered, self._evicted = Unanswered(), False
         self._stop_watch = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="etcd-monitor", daemon=True)
         self._watcher.start()
@@ -193,7 +194,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 "the job declared this node lost (its keep-alive expired); stopping its "
                 "workers and rejoining"
             )
-        silent = time.monotonic() - self._confirmed_at
+        silent = self._unanswered.seconds()
         if silent > self.keep_alive_ttl:
             raise RendezvousFencedError(
                 f"cannot reach the rendezvous store at {self.params.endpoint} for "
@@ -245,7 +246,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         assert self._round is not None
         version, members, leases = self._round
         stop = self._stop_watch
+        unanswered = self._unanswered
         while not stop.is_set():
+            unanswered.asking()
             try:
                 active, state = self.rdzv.get_state()
                 alive = self.rdzv.live_keys(version)
@@ -254,6 +257,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             except (RendezvousError, etcd.EtcdException):
                 stop.wait(0.5)
                 continue
+            unanswered.answered()
             closed = state.get("status") == "closed"
             # Every member wrote its keep-alive before the round became final, so a
             # missing one means expired (dead) or deleted (left).
@@ -264,11 +268,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             ]
             self._lost = () if closed else tuple(lost)
             mine = self.rdzv.my_lease
-            if mine is not None and mine in leases:
-                if mine in alive:
-                    self._confirmed_at = time.monotonic()
-                elif not closed:
-                    self._evicted = True
+            if mine is not None and mine in leases and mine not in alive and not closed:
+                self._evicted = True
             same = state.get("status") == "final" and state.get("version") == version
             self._waiting = int(state.get("num_workers_waiting", 0)) if same else 0
             index = active.etcd_index + 1 if active is not None else None
