@@ -209,7 +209,15 @@ class LocalElasticAgent(ElasticAgent):
                 with contextlib.suppress(RendezvousConnectionError):
                     if self._job_failed():
                         return self._final_failure("the job failed on another node")
-                return self._one_line_failure("the rendezvous was closed by another node")
+                # Closed without failing: the others finished the job while this node was
+                # out of it (fenced, or between rounds). A scheduler must see success.
+                print(
+                    "elastic: the job finished on the other nodes while this node was "
+                    "regrouping; nothing left to run",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return RunResult(WorkerState.SUCCEEDED, message="rendezvous is closed")
             except RendezvousConnectionError as exc:
                 return self._one_line_failure(f"lost the rendezvous backend: {exc}")
             except RendezvousMismatchError as exc:

@@ -279,6 +279,39 @@ def test_late_joiner_exits_cleanly() -> None:
     assert result.state == WorkerState.SUCCEEDED and result.exit_code == 0
 
 
+class ClosedByOthersHandler(LocalRendezvousHandler):
+    """One round, then the job is closed (the other nodes finished it), failed or not."""
+
+    def __init__(self, run_id: str, failed: bool) -> None:
+        super().__init__(run_id)
+        self.failed = failed
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._round >= 1:
+            if self.failed:
+                self.store.set(FAILED_KEY, "1")
+            raise RendezvousClosedError("closed")
+        return super().next_rendezvous()
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_job_closed_while_this_node_regroups(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], failed: bool
+) -> None:
+    # Our worker fails, so we regroup; meanwhile the others finished the job (exit 0 for
+    # the scheduler) or spent its budget (the job's failure).
+    crash = script(tmp_path, "crash.py", "raise SystemExit(3)\n")
+    handler = ClosedByOthersHandler("job", failed)
+    result, _ = run_agent(("-u", crash), 1, handler=handler, max_restarts=3)
+    err = capfd.readouterr().err
+    if failed:
+        assert result.state == WorkerState.FAILED and result.exit_code != 0, result
+        assert "the job failed on another node" in result.message
+    else:
+        assert result.state == WorkerState.SUCCEEDED and result.exit_code == 0, result
+        assert "the job finished on the other nodes while this node was regrouping" in err
+
+
 class BlockingHandler(LocalRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         time.sleep(30)
