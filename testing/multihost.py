@@ -319,8 +319,9 @@ def start_etcd(
 # over 1, 2 or 3 nodes, so any regrouping gives the reference's weights.
 PREEMPT_WORKER = (
     """\
-import json, os, socket, sys, time
+import faulthandler, json, os, socket, sys, time
 t0 = time.time()  # the start record's time: before torch is imported
+faulthandler.enable()  # a C++ abort in torch (seen once at exit) shows where in Python
 import torch
 
 
