@@ -91,19 +91,22 @@ def exit_barrier(
     """
     key = BARRIER_KEY.format(round_)
     store_call(store.add, key, 1)
+    # One read per poll: a whole job finishing at once polls together.
+    keys = [f"{key}/done", FAILED_KEY, CLAIM_KEY.format(round_), key]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if store_call(store.check, [f"{key}/done"]):
+        done, failed, claim, arrived = store_call(store.multi_get, keys)
+        if done:
             return "done"
-        if store_call(store.check, [FAILED_KEY]):
+        if failed:
             return "failed"
-        if store_call(store.check, [CLAIM_KEY.format(round_)]):
+        if claim:
             return "restart"
         try:
             gone = len(lost())
         except RendezvousError:
             gone = 0  # cannot tell (fenced): wait for everyone, bounded by the timeout
-        if int(store_call(store.add, key, 0)) >= world_size - gone:
+        if int(arrived or b"0") >= world_size - gone:
             store_call(store.set, f"{key}/done", "1")
             return "done"
         time.sleep(0.1)
@@ -131,11 +134,11 @@ class JobWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            try:
-                self.failed = bool(store_call(self._store.check, [FAILED_KEY]))
-                self.peer_failed = bool(store_call(self._store.check, [self._claim]))
-                if not self.checkpoint_requested:
-                    self.checkpoint_requested = bool(store_call(self._store.check, [self._preempt]))
+            try:  # one request per interval: every node of the job does this
+                keys = [FAILED_KEY, self._claim, self._preempt]
+                failed, claim, preempt = store_call(self._store.multi_get, keys)
+                self.failed, self.peer_failed = bool(failed), bool(claim)
+                self.checkpoint_requested = self.checkpoint_requested or bool(preempt)
             except RendezvousStoreGoneError as exc:
                 self.error = exc
                 return

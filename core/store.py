@@ -44,6 +44,11 @@ class Store(Protocol):
         """True when every key exists; never blocks."""
         ...
 
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Values in ``keys`` order, ``b""`` for a key that does not exist; never blocks.
+        A counter reads as its decimal text. One round trip where the server allows."""
+        ...
+
     def delete_key(self, key: str) -> bool: ...
 
 
@@ -100,6 +105,10 @@ class LocalStore:
     def check(self, keys: Sequence[str]) -> bool:
         with self._cond:
             return all(k in self._data for k in keys)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        with self._cond:
+            return [self._data.get(k, b"") for k in keys]
 
     def delete_key(self, key: str) -> bool:
         with self._cond:

@@ -313,6 +313,12 @@ class RendezvousConformance:
         assert s1.get("agent/failures/0") == b'{"rank": 0}'
         assert s1.check(["agent/failures/0", "agent/restarts"])
         assert not s1.check(["agent/failures/1"])
+        # multi_get: in order, a counter as its decimal text, b"" for a missing key (at
+        # once: the agent's job watch polls keys that mostly do not exist).
+        started = time.monotonic()
+        keys = ["agent/failures/1", "agent/restarts", "agent/failures/0", "agent/never"]
+        assert s1.multi_get(keys) == [b"", b"60", b'{"rank": 0}', b""]
+        assert time.monotonic() - started < 5
         started = time.monotonic()
         with pytest.raises(Exception):  # noqa: B017 - each store has its own timeout type
             s1.wait(["agent/never"], timedelta(seconds=0.5))

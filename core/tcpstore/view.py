@@ -28,6 +28,7 @@ class Connection:
         # Keys seen to exist; nothing the rendezvous writes to a TCPStore is ever deleted
         # (liveness is a value changing, not a key expiring), so they stay readable.
         self._present: set[str] = set()
+        self._checks_first = False  # the server is torch's legacy one (see ``read``)
 
     def _current(self) -> TCPStoreClient:
         with self._lock:
@@ -49,18 +50,31 @@ class Connection:
             raise
 
     def read(self, keys: list[str]) -> list[bytes]:
-        """Current values, ``b""`` for a missing key, never blocking: one MULTI_GET once
-        the keys are known to exist. Without a WAIT before it, torch's libuv server and
-        ours answer a missing key with ``b""``, but torch's legacy server drops the
-        connection; so a key is CHECKed once before it is read that way."""
-        unknown = [k for k in dict.fromkeys(keys) if k not in self._present]
-        if unknown:
-            if self.call("check", unknown):
+        """Current values, ``b""`` for a missing key, never blocking: one MULTI_GET.
+
+        Without a WAIT before it, torch's libuv server and ours answer a missing key with
+        ``b""``; torch's legacy server (``use_libuv=False``) closes the connection instead.
+        So when a MULTI_GET naming a key not yet seen closes the connection, this
+        connection CHECKs every key once before reading it from then on (a store that
+        really went away fails that retry with its own error)."""
+        if self._checks_first:
+            unknown = [k for k in dict.fromkeys(keys) if k not in self._present]
+            if unknown and self.call("check", unknown):
                 self._present.update(unknown)
-            else:
+            elif unknown:
                 self._present.update(k for k in unknown if self.call("check", [k]))
-        present = [k for k in keys if k in self._present]
-        values = dict(zip(present, self.call("multi_get", present, False), strict=True))
+            asked = [k for k in dict.fromkeys(keys) if k in self._present]
+        else:
+            asked = list(dict.fromkeys(keys))
+        try:
+            values = dict(zip(asked, self.call("multi_get", asked, False), strict=True))
+        except RendezvousStoreGoneError:
+            if self._checks_first or all(k in self._present for k in asked):
+                raise
+            self._checks_first = True
+            self.reset()
+            return self.read(keys)
+        self._present.update(k for k, v in values.items() if v)
         return [values.get(k, b"") for k in keys]
 
     def forget(self, key: str) -> None:
