@@ -73,6 +73,13 @@ class CoordinationStore(Protocol):
         lease (gone when the client dies); otherwise it is ``set``."""
         ...
 
+    def peer_silence(self) -> float | None:
+        """Seconds since the server's *host* last acknowledged this connection's packets
+        (TCP keepalive answers included), or None when the transport cannot tell. The
+        round monitor fences a node whose request went unanswered only when this is not
+        small too: a store that is slow (its host overloaded) is not a partition."""
+        ...
+
     def close(self) -> None:
         """Release the connection (and the lease); idempotent."""
         ...

@@ -1,68 +1,60 @@
 """The round monitor's fencing clock, against a real store server: a node fences itself
-only when the store leaves its requests unanswered, never because its own thread ran
-late (hundreds of agents starting on a few cores)."""
+only when the store leaves its requests unanswered *and* the store's host is silent too
+(a partition), never because its own thread ran late (hundreds of agents starting on a
+few cores) nor because the store is slow (its host starved of CPU, its process paused).
+The last two cases run on a simulated two-host network (``elastic.testing.cluster``)."""
 
 from __future__ import annotations
 
-import socket
-import threading
+import json
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from elastic.core.round import records as R
 from elastic.core.round.monitor import Monitor
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.testing.cluster import Cluster
 
 HOST = "127.0.0.1"
 WHERE = "the test store"
+INTERVAL, TIMEOUT = 0.2, 1.0
 
+SERVER = """\
+import sys, time
+from elastic.core.tcpstore import TCPStoreServer
+server = TCPStoreServer(sys.argv[1], 0)
+print(server.port, flush=True)
+time.sleep(600)
+"""
 
-class Relay:
-    """A TCP relay in front of a store server; ``freeze()`` stops forwarding while every
-    connection stays open: a link that went down with both ends alive."""
-
-    def __init__(self, port: int) -> None:
-        self._target = port
-        self._listener = socket.create_server((HOST, 0))
-        self.port = self._listener.getsockname()[1]
-        self._frozen = threading.Event()
-        self._sockets: list[socket.socket] = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection((HOST, self._target))
-            self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            while self._frozen.is_set():
-                time.sleep(0.05)  # hold the bytes: nothing arrives, nothing is closed
-            try:
-                dst.sendall(data)
-            except OSError:
-                return
-
-    def freeze(self) -> None:
-        self._frozen.set()
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            sock.close()
+# A member's monitor (node "b", rank 1 of a round with "a") against the store at ARGV;
+# prints "ready", then one JSON line each time ``fenced`` changes, for SECONDS.
+MEMBER = f"""\
+import json, sys, time
+from elastic.core.round import records as R
+from elastic.core.round.monitor import Monitor
+from elastic.core.tcpstore.view import Connection, PrefixStore
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+store = PrefixStore(Connection(host, port, timeout=30.0), "job/")
+store.heartbeat(R.hb_key("a"), "1 0")
+monitor = Monitor(store, "b", interval={INTERVAL}, timeout={TIMEOUT})
+monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
+monitor.start()
+print("ready", flush=True)
+end, last = time.time() + seconds, None
+while time.time() < end:
+    why = monitor.fenced("{WHERE}")
+    if (why is None) != (last is None):
+        print(json.dumps({{"t": time.time(), "fenced": why}}), flush=True)
+    last = why
+    time.sleep(0.05)
+"""
 
 
 @pytest.fixture
@@ -101,23 +93,53 @@ def test_ticks_that_run_late_but_are_answered_never_fence(server: TCPStoreServer
         conn.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_store_that_stops_answering_fences_within_the_timeout(server: TCPStoreServer) -> None:
-    relay = Relay(server.port)
-    monitor, conn = member_monitor(relay.port, interval=0.2, timeout=1.0)
-    try:
-        time.sleep(1.0)
-        assert monitor.fenced(WHERE) is None  # answered so far
-        relay.freeze()
-        frozen_at = time.monotonic()
-        while (why := monitor.fenced(WHERE)) is None:
-            assert time.monotonic() - frozen_at < 10, "never fenced"
-            time.sleep(0.05)
-        took = time.monotonic() - frozen_at
-        assert 1.0 <= took <= 1.0 + 0.2 + 1.0, took  # timeout, one interval, slack
-        assert f"cannot reach the rendezvous store at {WHERE}" in why
-        assert "heartbeat_timeout=1s" in why
-    finally:
-        monitor.stop(wait=False)
-        conn.close()
-        relay.close()
+def two_hosts(make: Callable[..., Cluster], seconds: float) -> tuple[Cluster, Any, Any]:
+    """A store server on the first host, a member's monitor on the second (started)."""
+    cluster = make(2)
+    store_host, member_host = cluster.hosts
+    server = store_host.popen(
+        [sys.executable, "-c", SERVER, store_host.addr], stdout=subprocess.PIPE, text=True
+    )
+    port = int(server.stdout.readline())
+    member = member_host.popen(
+        [sys.executable, "-c", MEMBER, store_host.name, str(port), str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert member.stdout.readline().strip() == "ready", member.stderr.read()
+    return cluster, server, member
+
+
+def changes(member: subprocess.Popen[str]) -> tuple[list[dict[str, Any]], str]:
+    out, err = member.communicate(timeout=60)
+    return [json.loads(line) for line in out.splitlines() if line.strip()], err
+
+
+@pytest.mark.timeout(90)
+def test_a_paused_store_whose_host_answers_never_fences(cluster_factory: Callable) -> None:
+    # The store's process stops for four timeouts (SIGSTOP: what a host starved of CPU
+    # looks like from outside); its kernel still acknowledges the member's packets, so
+    # the member waits for it instead of stopping its workers.
+    _, server, member = two_hosts(cluster_factory, seconds=8.0)
+    time.sleep(1.0)
+    server.send_signal(signal.SIGSTOP)
+    time.sleep(4 * TIMEOUT)
+    server.send_signal(signal.SIGCONT)
+    fenced, err = changes(member)
+    assert fenced == [], fenced
+    assert "overloaded or paused, not unreachable" in err, err
+
+
+@pytest.mark.timeout(90)
+def test_a_store_cut_off_fences_within_the_timeout(cluster_factory: Callable) -> None:
+    cluster, _, member = two_hosts(cluster_factory, seconds=6.0)
+    time.sleep(1.0)
+    cut = time.time()
+    cluster.cut(cluster.hosts[0])
+    fenced, err = changes(member)
+    assert fenced, f"never fenced\n{err}"
+    took = fenced[0]["t"] - cut
+    assert TIMEOUT <= took <= TIMEOUT + INTERVAL + 1.5, took  # timeout, one tick, slack
+    assert f"cannot reach the rendezvous store at {WHERE}" in fenced[0]["fenced"]
+    assert "heartbeat_timeout=1s" in fenced[0]["fenced"]

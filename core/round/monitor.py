@@ -23,7 +23,11 @@ down), or the others published us as lost, ``fenced`` says why and the agent sto
 workers: a node cut off from the job must never keep training in a world that has moved
 on. Only an unanswered request counts (``Unanswered``): with hundreds of agents starting
 on few cores a tick may run late, and that is not a partition; if it runs so late that
-our heartbeat goes stale, the others publish us as lost, which fences us as well.
+our heartbeat goes stale, the others publish us as lost, which fences us as well. And an
+unanswered request fences only while the store's host is silent too
+(``CoordinationStore.peer_silence``: TCP acknowledgements, keepalive probes included,
+come from its kernel): a store host starved of CPU, or a paused store process, still
+acknowledges, is not a partition, and cannot have moved the round on without us.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ class Monitor:
         self.waiting = 0
         self.lost: list[str] = []
         self._unanswered = Unanswered()
+        self._slow_noted = False  # said once per episode that the store is only slow
         # What to watch: the round we are a member of, or a forming round's coordinator.
         self._round: R.Assignment | None = None
         self._rank: int | None = None
@@ -223,13 +228,33 @@ class Monitor:
                 "not seen in time); stopping its workers and rejoining"
             )
         silent = self._unanswered.seconds()
-        if silent > self.timeout:
+        if silent > self.timeout and self._cut_off(silent, where):
             return (
                 f"cannot reach the rendezvous store at {where} for {silent:.1f}s "
                 f"(heartbeat_timeout={self.timeout:g}s): stopping this node's workers so it "
                 "never trains in a world that has moved on; it rejoins when the store answers"
             )
         return None
+
+    def _cut_off(self, silent: float, where: str) -> bool:
+        """The store has not answered for ``silent`` s: are we cut off from it? Not while
+        its host still acknowledges our packets: then the store is slow (its host
+        overloaded, its process paused) and no one can move the round on without it, so
+        our workers keep a world that is still the job's."""
+        quiet = self.store.peer_silence()
+        if quiet is None or quiet > self.timeout:
+            return True
+        if not self._slow_noted:
+            self._slow_noted = True
+            log.warning(
+                "the rendezvous store at %s has not answered for %.1fs, but its host "
+                "acknowledges our packets (%.1fs ago): it is overloaded or paused, not "
+                "unreachable; waiting for it",
+                where,
+                silent,
+                quiet,
+            )
+        return False
 
     # -- the thread ----------------------------------------------------------------
     def beat(self) -> None:
@@ -246,6 +271,7 @@ class Monitor:
             try:
                 self._tick()
                 self._unanswered.answered()
+                self._slow_noted = False
             except (RendezvousStateError, RendezvousStoreGoneError) as exc:
                 # Final: corrupt state, or the store's host says the store is gone.
                 with self._lock:

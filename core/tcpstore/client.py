@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,15 @@ _GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ECONNAB
 
 # recv() allocates its whole buffer up front: never trust a length from the wire for it.
 _MAX_RECV = 4 * 1024 * 1024
+# Linux ``struct tcp_info``: ``tcpi_last_ack_recv`` (ms since the peer's kernel last
+# acknowledged anything) is the u32 at this offset (8 bytes of u8 fields, then rto, ato,
+# snd_mss, rcv_mss, unacked, sacked, lost, retrans, fackets, last_data_sent,
+# last_ack_sent, last_data_recv).
+_TCPI_LAST_ACK_RECV = 56
+# Keepalive probes once the connection has received nothing for this long: an unanswered
+# request then still hears from the server's kernel every second while the host is up
+# and reachable, and hears nothing across a partition (see ``peer_silence``).
+_KEEPALIVE_IDLE_S = 1
 
 
 class _EOF(Exception):
@@ -78,6 +88,7 @@ class TCPStoreClient:
         except OSError as exc:
             raise self._connection_error(exc, "cannot connect", limit) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keep_alive(self._sock)
         # torch uses its pid as the nonce; any value does, as long as it comes back.
         nonce = os.getpid() & 0xFFFFFFFF
         with self._lock:
@@ -165,6 +176,22 @@ class TCPStoreClient:
         (such as ``init/``), as torch's ``num_keys`` does."""
         with self._lock:
             return self._roundtrip(wire.request(Query.GETNUMKEYS), self._i64)
+
+    def peer_silence(self) -> float | None:
+        """Seconds since the server's host last acknowledged a packet of ours (its
+        kernel: a store process that is paused or starved of CPU still has it answer
+        keepalive probes; a partition or a dead host does not). None where the system
+        cannot tell (no ``TCP_INFO``) or the connection is closed."""
+        if self._closed or sys.platform != "linux":  # the layout below is Linux's
+            return None
+        try:
+            info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except OSError:
+            return None
+        if len(info) < _TCPI_LAST_ACK_RECV + 4:
+            return None
+        field = info[_TCPI_LAST_ACK_RECV : _TCPI_LAST_ACK_RECV + 4]
+        return int.from_bytes(field, sys.byteorder) / 1000
 
     def close(self) -> None:
         """Idempotent; a call blocked in another thread fails at once."""
@@ -283,3 +310,13 @@ class TCPStoreClient:
     def _blob(self, deadline: float) -> bytes:
         (n,) = wire.U64.unpack(self._read(8, deadline))
         return self._read(int(n), deadline)
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Probe an idle connection every second (where the system has the options)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", 1)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_KEEPCNT"):  # our own timeouts end a connection, not probes
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 120)

@@ -77,6 +77,12 @@ class Connection:
         self._present.update(k for k, v in values.items() if v)
         return [values.get(k, b"") for k in keys]
 
+    def peer_silence(self) -> float | None:
+        """``TCPStoreClient.peer_silence`` of the current connection (None while there
+        is none: being made again, or never made)."""
+        client = self._client
+        return client.peer_silence() if client is not None else None
+
     def forget(self, key: str) -> None:
         self._present.discard(key)
 
@@ -136,6 +142,9 @@ class PrefixStore:
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """One round trip for many keys; a missing key reads as ``b""``."""
         return self._conn.read([self._k(k) for k in keys]) if keys else []
+
+    def peer_silence(self) -> float | None:
+        return self._conn.peer_silence()
 
     def close(self) -> None:
         self._conn.close()

@@ -88,6 +88,10 @@ class EtcdStore:
         except etcd.EtcdKeyNotFound:
             return b""
 
+    def peer_silence(self) -> None:
+        """python-etcd pools its connections: no one connection to ask."""
+        return None
+
     def close(self) -> None:
         """python-etcd's pooled connections close with the client."""
 
