@@ -232,10 +232,14 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._monitor is not None:
             self._monitor.stop(wait=not self._left)
         self.after_shutdown()
+        self.close_stores()
+        return ok
+
+    def close_stores(self) -> None:
+        """Close this node's store connections; idempotent."""
         for store in (self._monitor_store, self.job_store):
             if store is not None:
                 store.close()
-        return ok
 
     def after_shutdown(self) -> None:
         """What a backend does once this node is out (c10d: keep a hosted store up for
@@ -261,12 +265,6 @@ class RoundRendezvousHandler(RendezvousHandler):
             others = [m for m in beats if m not in set(lost) | set(done)]
             if others:
                 time.sleep(0.2)
-        if others:
-            log.warning(
-                "%s rendezvous: stopping the store while %d node(s) still use it",
-                self.backend,
-                len(others),
-            )
 
     def describe(self) -> JobStatus:
         from elastic.core.round.status import describe

@@ -88,6 +88,11 @@ class TCPStoreServer:
         )
         self._thread.start()
 
+    @property
+    def clients(self) -> int:
+        """Connections open now."""
+        return len(self._conns)
+
     def close(self) -> None:
         """Stop serving and close every connection; idempotent."""
         with self._close_lock:

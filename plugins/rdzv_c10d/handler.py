@@ -109,6 +109,18 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
 
     def after_shutdown(self) -> None:
         if self._server is not None:
+            deadline = time.monotonic() + self.settings.close_timeout
             self.wait_for_members(self.settings.close_timeout)
+            # Other jobs (other run ids) may share this endpoint, and a node of ours may
+            # still be on its way out: serve while anyone else is connected, bounded.
+            self.close_stores()
+            while self._server.clients and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._server.clients:
+                log.warning(
+                    "c10d rendezvous: stopping the store at %s with %d client(s) connected",
+                    self.where,
+                    self._server.clients,
+                )
             self._server.close()
             self._server = None
