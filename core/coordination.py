@@ -25,6 +25,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
+# The longest a reachable host goes unheard on a connection that reports ``peer_silence``:
+# transports that report it probe an idle connection every second (TCP keepalive), and a
+# probe may land a little late; twice the period keeps a late answer from counting as
+# silence.
+HOST_HEARD_WITHIN = 2.0
+
 
 @runtime_checkable
 class CoordinationStore(Protocol):
@@ -77,7 +83,8 @@ class CoordinationStore(Protocol):
         """Seconds since the server's *host* last acknowledged this connection's packets
         (TCP keepalive answers included), or None when the transport cannot tell. The
         round monitor fences a node whose request went unanswered only when this is not
-        small too: a store that is slow (its host overloaded) is not a partition."""
+        over ``HOST_HEARD_WITHIN`` too: a store that is slow (its host overloaded) is not a
+        partition."""
         ...
 
     def close(self) -> None:

@@ -326,8 +326,14 @@ def test_dump_chains_an_existing_sitecustomize_and_spares_others(tmp_path: Path)
         assert registered.stdout is not None and plain.stdout is not None
         assert registered.stdout.readline().strip() == "1"  # the user's sitecustomize ran
         plain.stdout.readline()
-        dumps = stacks.dump_stacks({0: (registered.pid, dump_file), 1: (plain.pid, dump_file)})
-        assert 0 in dumps and dumps[0].where().endswith("in nap: time.sleep(30)")
+        # The print returns a moment before nap() is entered: dump until it sleeps.
+        deadline, where = time.monotonic() + 10.0, ""
+        while not where.endswith("in nap: time.sleep(30)") and time.monotonic() < deadline:
+            pair = {0: (registered.pid, dump_file), 1: (plain.pid, dump_file)}
+            dumps = stacks.dump_stacks(pair)
+            assert 0 in dumps
+            where = dumps[0].where()
+        assert where.endswith("in nap: time.sleep(30)"), where
         assert dumps[0].waiting_in() is None
         os.kill(plain.pid, stacks.DUMP_SIGNAL)  # never registered: ignored by default
         time.sleep(0.3)

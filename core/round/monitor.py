@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic.core.coordination import CoordinationStore
+from elastic.core.coordination import HOST_HEARD_WITHIN, CoordinationStore
 from elastic.core.rendezvous import (
     RendezvousConnectionError,
     RendezvousStateError,
@@ -242,7 +242,9 @@ class Monitor:
         overloaded, its process paused) and no one can move the round on without it, so
         our workers keep a world that is still the job's."""
         quiet = self.store.peer_silence()
-        if quiet is None or quiet > self.timeout:
+        # A reachable host may be this quiet between two keepalive answers, whatever the
+        # timeout: with heartbeat_timeout=1 s a probe due at 1 s lands just after it.
+        if quiet is None or quiet > max(self.timeout, HOST_HEARD_WITHIN):
             return True
         if not self._slow_noted:
             self._slow_noted = True

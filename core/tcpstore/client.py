@@ -41,7 +41,8 @@ _MAX_RECV = 4 * 1024 * 1024
 _TCPI_LAST_ACK_RECV = 56
 # Keepalive probes once the connection has received nothing for this long: an unanswered
 # request then still hears from the server's kernel every second while the host is up
-# and reachable, and hears nothing across a partition (see ``peer_silence``).
+# and reachable, and hears nothing across a partition (see ``peer_silence``; the monitor
+# allows ``coordination.HOST_HEARD_WITHIN`` between answers).
 _KEEPALIVE_IDLE_S = 1
 
 
