@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import time
 
@@ -59,7 +58,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._current: R.Assignment | None = None
         self._shut = False
         self._left = False
-        self.node_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.node_id = R.new_node_id()
         self.addr = addr
         node = {
             "id": self.node_id,

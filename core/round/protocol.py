@@ -291,7 +291,7 @@ class RoundProtocol:
         lost = self.read_lost(prev.round) if prev is not None else []
         expected = set(prev_members) - set(lost)
         joined: list[dict[str, Any]] = []
-        seen, min_at, pause = 0, None, 0.002
+        seen, min_at, pause, clashed = 0, None, 0.002, False
         while True:
             if self.is_closed():
                 self.publish(rnd, R.Assignment(round=rnd, state="closed"))
@@ -301,6 +301,12 @@ class RoundProtocol:
                 joined += self._read_slots(rnd, seen + 1, count)
                 seen = count
             ids = {rec["id"] for rec in joined}
+            if len(ids) < len(joined) and not clashed:
+                clashed = True  # a node joins a round once: two nodes share an id
+                log.warning(
+                    "round %d: %d join records share a node id, so they count as one "
+                    "node (ids: %s)", rnd, len(joined) - len(ids), R.repeated_ids(joined)
+                )  # fmt: skip
             if self._lines is not None:
                 self._lines.coordinating(self.store, rnd, joined, prev)
             now = time.monotonic()
