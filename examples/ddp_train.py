@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.out:
         write_params(args.out, model, args.steps)
     dist.barrier()  # every rank is done with its collectives before the group goes away
+    # DDP's reducer holds the process group, and its destructor runs holding the GIL; had
+    # it dropped the group's last reference, ProcessGroupGloo's destructor would join a
+    # gloo thread that needs the GIL: a worker hung at exit (about 1 run in 4 here). Freed
+    # first, the group's last reference goes with destroy_process_group, which releases it.
+    del ddp
     dist.destroy_process_group()
 
 

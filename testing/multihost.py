@@ -405,6 +405,7 @@ note("done", step)
 if rank == 0:
     with open(os.path.join(ckpt_dir, "final.json"), "w") as f:
         json.dump({"step": step, "world": world, "weights": weights(model)}, f)
+del ddp  # before the group: see examples/ddp_train.py (a gloo hang or abort at exit)
 dist.destroy_process_group()
 """
 )

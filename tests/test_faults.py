@@ -284,6 +284,7 @@ if rank == 0:
     weights = [float(v) for p in model.parameters() for v in p.flatten()]
     with open(os.path.join(ckpt_dir, "final.json"), "w") as f:
         json.dump({"step": step, "world": world, "weights": weights}, f)
+del ddp  # before the group: see examples/ddp_train.py (a gloo hang or abort at exit)
 dist.destroy_process_group()
 """
 
