@@ -126,6 +126,24 @@ def test_two_nodes_sharing_an_id_are_named_in_a_warning(
                 f.result(timeout=30)
 
 
+def test_a_node_waiting_for_its_round_can_close_it_from_another_thread(make: Make) -> None:
+    # The agent closes the rendezvous (a finished job, a signal) while another thread of
+    # it waits for the coordinator; that wait's connection must not hold the close up.
+    coordinator, waiter = make(3), make(3)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(coordinator.next_rendezvous)
+        assert wait_until(lambda: coordinator.protocol.store.check([R.join_key(0, 1)]), 10)
+        second = pool.submit(waiter.next_rendezvous)
+        assert wait_until(lambda: waiter.protocol.store.check([R.join_key(0, 2)]), 10)
+        time.sleep(0.3)  # the waiter is parked in its WAIT
+        started = time.monotonic()
+        waiter.set_closed()
+        assert time.monotonic() - started < 3
+        for f in (first, second):
+            with pytest.raises(RendezvousClosedError):
+                f.result(timeout=10)
+
+
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_fixed_size(make: Make, nodes: int) -> None:
     handlers = [make(nodes) for _ in range(nodes)]

@@ -260,6 +260,49 @@ def test_view_reads_missing_keys_as_empty_without_blocking(any_server: int) -> N
 
 
 @pytest.mark.timeout(60)
+def test_a_parked_wait_holds_no_other_call_of_its_view(server: TCPStoreServer) -> None:
+    # A node waiting for its round's outcome must still be able to close the round,
+    # read progress and shut down: the wait has a connection of its own.
+    conn = Connection(HOST, server.port, timeout=10.0)
+    store = PrefixStore(conn, "job/")
+    outcome: list[BaseException | None] = []
+
+    def wait_for(key: str) -> None:
+        try:
+            store.wait([key], timedelta(seconds=30))
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        waiter = threading.Thread(target=wait_for, args=("late",), daemon=True)
+        waiter.start()
+        time.sleep(0.3)  # parked on the server
+        started = time.monotonic()
+        store.set("other", b"1")
+        assert store.get("other") == b"1" and store.add("n", 2) == 2
+        assert time.monotonic() - started < 2
+        store.set("late", b"here")
+        waiter.join(5)
+        assert outcome == [None]
+        # A second wait reuses the parked one's connection; an abandoned wait does not
+        # stop the next, and closing the view wakes it at once.
+        store.wait(["late"], timedelta(seconds=5))
+        outcome.clear()
+        waiter = threading.Thread(target=wait_for, args=("never",), daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        store.wait(["late"], timedelta(seconds=5))
+        started = time.monotonic()
+        conn.close()
+        waiter.join(5)
+        assert not waiter.is_alive() and time.monotonic() - started < 2
+        assert len(outcome) == 1 and isinstance(outcome[0], RendezvousConnectionError)
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
 def test_torch_client_against_our_server(server: TCPStoreServer, connect: ClientFactory):
     from torch.distributed import DistStoreError
 

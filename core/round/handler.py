@@ -76,7 +76,6 @@ class RoundRendezvousHandler(RendezvousHandler):
             self._phase,
             self._monitor_error,
             allow_mismatch=params.allow_mismatch,
-            peek_store=monitor_store.sub("rdzv/") if monitor_store is not None else None,
         )
         self._monitor: Monitor | None = None
         if monitor_store is not None and not params.read_only:

@@ -179,19 +179,18 @@ class RoundProgress:
         if self._due():
             self.say(forming.line(self._timeout_in()))
 
-    def waiting(self, store: CoordinationStore | None, rnd: int) -> None:
+    def waiting(self, store: CoordinationStore, rnd: int) -> None:
         """A node waiting for the coordinator: when a line is due, read the
         coordinator's record (a ``check`` and a ``get``) and say it."""
         if not self._due():
             return
         forming = None
-        if store is not None:
-            key = R.progress_key(rnd)
-            try:
-                if store.check([key]):
-                    forming = Forming.from_json(store.get(key))
-            except (RendezvousError, StoreTimeoutError) as exc:
-                log.debug("cannot read %s: %s", key, exc)
+        key = R.progress_key(rnd)
+        try:
+            if store.check([key]):
+                forming = Forming.from_json(store.get(key))
+        except (RendezvousError, StoreTimeoutError) as exc:
+            log.debug("cannot read %s: %s", key, exc)
         if forming is not None:
             self.say(forming.line(self._timeout_in()))
         else:

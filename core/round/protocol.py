@@ -48,7 +48,6 @@ class RoundProtocol:
         phase: Callable[[tuple[int, str] | None, bool], None],
         abort: Callable[[], Exception | None] = lambda: None,
         allow_mismatch: frozenset[str] = frozenset(),
-        peek_store: CoordinationStore | None = None,
     ) -> None:
         self.store = store
         self.s = settings
@@ -59,10 +58,8 @@ class RoundProtocol:
         self._abort = abort  # the heartbeat thread's error, if it lost the store
         self.allow_mismatch = allow_mismatch
         self._admitted = False  # our fingerprint matched the job's once; it cannot change
-        # Waiting lines (progress.py): the callback that prints them, and a store view with
-        # its own connection for a waiter's reads (``store`` is held by the blocking wait).
+        # Waiting lines (progress.py): the callback that prints them.
         self.progress: Say | None = None
-        self._peek_store = peek_store
         self._lines: RoundProgress | None = None
 
     # -- reading state ----------------------------------------------------------------
@@ -266,7 +263,7 @@ class RoundProtocol:
             if error is not None:
                 raise RendezvousConnectionError(str(error))
             if lines is not None:
-                lines.waiting(self._peek_store, rnd)
+                lines.waiting(self.store, rnd)
         if failure:
             if isinstance(failure[0], StoreTimeoutError):
                 raise self._timeout("no assignment was published")

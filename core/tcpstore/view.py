@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
 
 
@@ -16,7 +17,12 @@ class Connection:
     """One client connection, made again after it broke: a node cut off for a while
     reconnects once the network is back. A store whose host answered that nothing serves
     it any more is final (``RendezvousStoreGoneError``, with ``gone_hint``: what it means
-    for the job and what to do about it)."""
+    for the job and what to do about it).
+
+    A WAIT holds its connection until the keys appear, so waits run on connections of
+    their own (kept for the next wait): a long wait never delays another thread's calls,
+    and a wait its caller gave up on (its thread still parked) costs one connection, not
+    the store."""
 
     def __init__(self, host: str, port: int, timeout: float, gone_hint: str = "") -> None:
         self.host, self.port, self.timeout = host, port, timeout
@@ -29,11 +35,16 @@ class Connection:
         # (liveness is a value changing, not a key expiring), so they stay readable.
         self._present: set[str] = set()
         self._checks_first = False  # the server is torch's legacy one (see ``read``)
+        self._idle_waiters: list[TCPStoreClient] = []
+        self._busy_waiters: set[TCPStoreClient] = set()
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise RendezvousConnectionError(f"the store client for {self.where} is closed")
 
     def _current(self) -> TCPStoreClient:
         with self._lock:
-            if self._closed:
-                raise RendezvousConnectionError(f"the store client for {self.where} is closed")
+            self._raise_if_closed()
             if self._client is None:
                 self._client = TCPStoreClient(self.host, self.port, self.timeout)
             return self._client
@@ -43,11 +54,61 @@ class Connection:
             client = self._current()
             return getattr(client, op)(*args)
         except RendezvousStoreGoneError as exc:
-            hint = f"; {self.gone_hint}" if self.gone_hint else ""
-            raise RendezvousStoreGoneError(f"lost the rendezvous store: {exc}{hint}") from None
+            raise self._gone(exc) from None
         except RendezvousConnectionError:
             self.reset()
             raise
+
+    def wait(self, keys: list[str], timeout: timedelta | None) -> None:
+        """``TCPStoreClient.wait`` on a waiting connection (see the class)."""
+        client = self._take_waiter()
+        try:
+            client.wait(keys, timeout)
+        except StoreTimeoutError:
+            self._return_waiter(client)  # the WAIT was cancelled: the stream is in step
+            raise
+        except RendezvousStoreGoneError as exc:
+            self._drop_waiter(client)
+            raise self._gone(exc) from None
+        except BaseException:
+            self._drop_waiter(client)
+            raise
+        self._return_waiter(client)
+
+    def open_waiter(self) -> None:
+        """Connect the first waiting connection now, so that no connection cost lands
+        inside a round (a thousand nodes connecting at once slow it by half a second)."""
+        self._return_waiter(self._take_waiter())
+
+    def _take_waiter(self) -> TCPStoreClient:
+        with self._lock:
+            self._raise_if_closed()
+            client = self._idle_waiters.pop() if self._idle_waiters else None
+        if client is None:
+            client = TCPStoreClient(self.host, self.port, self.timeout)
+        with self._lock:
+            if self._closed:  # closed while this one connected
+                client.close()
+                self._raise_if_closed()
+            self._busy_waiters.add(client)
+        return client
+
+    def _return_waiter(self, client: TCPStoreClient) -> None:
+        with self._lock:
+            self._busy_waiters.discard(client)
+            if not self._closed:
+                self._idle_waiters.append(client)
+                return
+        client.close()
+
+    def _drop_waiter(self, client: TCPStoreClient) -> None:
+        with self._lock:
+            self._busy_waiters.discard(client)
+        client.close()
+
+    def _gone(self, exc: RendezvousStoreGoneError) -> RendezvousStoreGoneError:
+        hint = f"; {self.gone_hint}" if self.gone_hint else ""
+        return RendezvousStoreGoneError(f"lost the rendezvous store: {exc}{hint}")
 
     def read(self, keys: list[str]) -> list[bytes]:
         """Current values, ``b""`` for a missing key, never blocking: one MULTI_GET.
@@ -91,13 +152,19 @@ class Connection:
             client, self._client = self._client, None
             # Possibly another server now (a restarted host): learn its keys again.
             self._present = set()
-        if client is not None:
-            client.close()
+            idle, self._idle_waiters = self._idle_waiters, []
+        for old in [client, *idle]:
+            if old is not None:
+                old.close()
 
     def close(self) -> None:
+        """Closes every connection, waking a wait parked in another thread."""
         with self._lock:
             self._closed = True
+            busy, self._busy_waiters = list(self._busy_waiters), set()
         self.reset()
+        for client in busy:
+            client.close()
 
 
 class PrefixStore:
@@ -130,7 +197,7 @@ class PrefixStore:
         return bytes(self._conn.call("compare_set", self._k(key), expected, desired))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self._conn.call("wait", [self._k(k) for k in keys], timeout)
+        self._conn.wait([self._k(k) for k in keys], timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._conn.call("check", [self._k(k) for k in keys]))

@@ -88,6 +88,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             agent_conn.call("check", [prefix])
         else:
             first_contact(agent_conn, prefix, settings.read_timeout)
+            agent_conn.open_waiter()
         monitor_store = None
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
