@@ -70,9 +70,12 @@ def _run_job(procs: Any, tmp_path: Path, backend: str, endpoint: str, run_id: st
         )
         for rank in (0, 1)
     ]
-    for rank, agent in enumerate(agents):
-        stdout, stderr = agent.communicate(timeout=90)
-        assert agent.returncode == 0, f"agent {rank}:\n{stdout}\n{stderr}"
+    outputs = [agent.communicate(timeout=90) for agent in agents]
+    report = "\n".join(
+        f"agent {rank} (exit {agent.returncode}):\n{out}\n{err}"
+        for rank, (agent, (out, err)) in enumerate(zip(agents, outputs, strict=True))
+    )
+    assert [agent.returncode for agent in agents] == [0, 0], report
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert {r["WORLD_SIZE"] for r in records} == {"2"}
     for rank in (0, 1):

@@ -426,6 +426,22 @@ def test_a_store_that_comes_up_late_is_waited_for(make: Make, port: int) -> None
         rendezvous_all([early.result(timeout=10), host])
 
 
+def test_an_agent_hosts_once_the_endpoint_frees_up(make: Make, port: int) -> None:
+    """Nobody listens, but the port is held for a moment (bound, not listening: a dying
+    host, or another program's socket): an agent that may host takes the endpoint as soon
+    as it frees, rather than waiting read_timeout for a listener that never comes."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))  # no SO_REUSEADDR, no listen(): blocks binding
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(make, 2, read_timeout="10")
+        time.sleep(1.0)
+        assert not first.done()
+        squatter.close()
+        handler = first.result(timeout=5)
+    assert handler.is_hosting
+    rendezvous_all([handler, make(2)])
+
+
 def test_no_store_no_host_is_a_connection_error(port: int) -> None:
     params = RendezvousParameters(
         "c10d", f"127.0.0.1:{port}", "j", 1, 1, config={"is_host": "false", "read_timeout": "1"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elastic.core import net
@@ -31,13 +32,19 @@ def job_prefix(run_id: str) -> str:
     return f"elastic/{run_id}/"
 
 
-def first_contact(conn: Connection, prefix: str, limit: float) -> None:
+def first_contact(
+    conn: Connection, prefix: str, limit: float, try_hosting: Callable[[], bool]
+) -> None:
     """Connect now (fail early, and not inside a round), waiting for a store that is not
     up yet: agents of one job start at the same time on their machines, and the one that
     hosts the store may well be the last to listen. Before we ever reached it, "connection
     refused" means "not started yet", not "gone"; after that, it is final (the monitor
     thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
-    torch's TCPStore client, which retries a refused connect until its timeout)."""
+    torch's TCPStore client, which retries a refused connect until its timeout).
+
+    While nobody listens, ``try_hosting`` is asked again to take the endpoint: the agent
+    that won it may have died before listening, or something else held the port for a
+    moment; whoever can listen on the endpoint hosts, whenever that becomes possible."""
     started = time.monotonic()
     deadline = started + limit
     told = False
@@ -46,6 +53,8 @@ def first_contact(conn: Connection, prefix: str, limit: float) -> None:
             conn.call("check", [prefix])
             return
         except RendezvousConnectionError as exc:  # refused (StoreGone) or no answer
+            if try_hosting():
+                continue
             if time.monotonic() + FIRST_CONTACT_PAUSE >= deadline:
                 raise RendezvousConnectionError(
                     f"the c10d store at {conn.where} did not come up within "
@@ -70,24 +79,30 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self.host, self.port = parse_endpoint(params.endpoint)
         where = f"{self.host}:{self.port}"
         self._server: Any = None
-        hosting = not params.read_only and is_host is not False
-        sock = try_listen(self.host, self.port) if hosting else None
+        self._may_host = not params.read_only and is_host is not False
+        sock = try_listen(self.host, self.port) if self._may_host else None
         if sock is None and is_host and not params.read_only:
             raise RendezvousConnectionError(
                 f"--rdzv-conf is_host=true but this machine cannot listen on {where} "
                 "(not one of its addresses, or the port is taken)"
             )
         if sock is not None:
-            self._server = host_store(sock)
-            log.info("hosting the c10d rendezvous store on %s", where)
+            self._host_on(sock)
         elif params.read_only:
             probe(self.host, self.port)
+        try:
+            self._connect(params, settings)
+        except BaseException:
+            self._stop_hosting()
+            raise
+
+    def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
         prefix = job_prefix(params.run_id)
         agent_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
         if params.read_only:
             agent_conn.call("check", [prefix])
         else:
-            first_contact(agent_conn, prefix, settings.read_timeout)
+            first_contact(agent_conn, prefix, settings.read_timeout, self._try_hosting)
             agent_conn.open_waiter()
         monitor_store = None
         if not params.read_only:
@@ -103,6 +118,25 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             monitor_store,
             params.local_addr or net.route_address(self.host, self.port),
         )
+
+    def _host_on(self, sock: Any) -> None:
+        self._server = host_store(sock)
+        log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
+
+    def _try_hosting(self) -> bool:
+        """First contact found nobody listening: host now if this machine can."""
+        if not self._may_host or self._server is not None:
+            return False
+        sock = try_listen(self.host, self.port)
+        if sock is None:
+            return False
+        self._host_on(sock)
+        return True
+
+    def _stop_hosting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     @property
     def is_hosting(self) -> bool:
