@@ -80,16 +80,14 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         where = f"{self.host}:{self.port}"
         self._server: Any = None
         self._may_host = not params.read_only and is_host is not False
-        sock = try_listen(self.host, self.port) if self._may_host else None
-        if sock is None and is_host and not params.read_only:
-            raise RendezvousConnectionError(
-                f"--rdzv-conf is_host=true but this machine cannot listen on {where} "
-                "(not one of its addresses, or the port is taken)"
-            )
-        if sock is not None:
-            self._host_on(sock)
-        elif params.read_only:
-            probe(self.host, self.port)
+        if not self._try_hosting():
+            if is_host and not params.read_only:
+                raise RendezvousConnectionError(
+                    f"--rdzv-conf is_host=true but this machine cannot listen on {where} "
+                    "(not one of its addresses, or the port is taken)"
+                )
+            if params.read_only:
+                probe(self.host, self.port)
         try:
             self._connect(params, settings)
         except BaseException:
@@ -119,18 +117,16 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             params.local_addr or net.route_address(self.host, self.port),
         )
 
-    def _host_on(self, sock: Any) -> None:
-        self._server = host_store(sock)
-        log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
-
     def _try_hosting(self) -> bool:
-        """First contact found nobody listening: host now if this machine can."""
+        """Host the store if this agent may and can listen on the endpoint: at start, and
+        again whenever first contact finds nobody listening."""
         if not self._may_host or self._server is not None:
             return False
         sock = try_listen(self.host, self.port)
         if sock is None:
             return False
-        self._host_on(sock)
+        self._server = host_store(sock)
+        log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
         return True
 
     def _stop_hosting(self) -> None:
@@ -157,5 +153,4 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                     self.where,
                     self._server.clients,
                 )
-            self._server.close()
-            self._server = None
+            self._stop_hosting()
