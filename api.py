@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.launcher import LaunchConfig, create_agent, python_exec
+from elastic.core.launch.launcher import LaunchConfig, create_agent, python_exec
 
 if TYPE_CHECKING:
-    from elastic.core.failures import FailureRecord
+    from elastic.core.interfaces.failures import FailureRecord
 
 __all__ = ["ChildFailedError", "LaunchConfig", "elastic_launch", "launch_agent"]
 

@@ -70,7 +70,7 @@ def run_threads(calls: list[Callable[[], Any]], timeout: float) -> tuple[float |
 
 
 def ours(nodes: int, run_id: str, timeout: float, conf: dict[str, str]) -> dict[str, Any]:
-    from elastic.core.rendezvous import RendezvousParameters
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
     from elastic.plugins.rdzv_c10d import create_handler
 
     port = free_port()

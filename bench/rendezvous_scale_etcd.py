@@ -29,8 +29,8 @@ import rendezvous_scale as base  # noqa: E402 - reuse the c10d bench's timing he
 def ours(backend: str, endpoint: str, nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
     import time
 
-    from elastic.core.registry import get_rendezvous_handler
-    from elastic.core.rendezvous import RendezvousParameters
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.core.rendezvous.registry import get_rendezvous_handler
 
     t0 = time.perf_counter()
     handlers = [

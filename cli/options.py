@@ -124,7 +124,7 @@ def parse_rdzv_conf(value: str) -> dict[str, str]:
 
 def parse_endpoint(value: str, default_port: int | None) -> tuple[str, int | None]:
     """``host``, ``host:port``, ``[v6]:port``; the port must be 0..65535."""
-    from elastic.core.net import parse_endpoint as parse
+    from elastic.core.rendezvous.net import parse_endpoint as parse
 
     try:
         return parse(value, default_port)

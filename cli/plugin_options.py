@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import click
-from elastic.core.plugin_options import PluginOption, PluginOptionParser
+from elastic.core.plugin.options import PluginOption, PluginOptionParser
 
 if TYPE_CHECKING:
-    from elastic.core.plugins import PluginHost
+    from elastic.core.plugin.host import PluginHost
 
 HOST_KEY = "elastic.plugin_host"
 OPTIONS_KEY = "elastic.plugin_options"
@@ -70,7 +70,7 @@ class RunCommand(click.Command):
         self.core_params = list(self.params)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from elastic.core.plugins import PluginHost  # only `elastic run` pays for pluggy
+        from elastic.core.plugin.host import PluginHost  # only `elastic run` pays for pluggy
 
         host = PluginHost()
         options = host.add_options(PluginOptionParser(reserved_names(self.core_params)))

@@ -7,17 +7,17 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import click
-from elastic.core.entry_points import GROUPS, HOOK_GROUP, PluginRecord, discover
+from elastic.core.plugin.entry_points import GROUPS, HOOK_GROUP, PluginRecord, discover
 
 if TYPE_CHECKING:
-    from elastic.core.named_plugins import NamedPluginGroup
+    from elastic.core.plugin.named import NamedPluginGroup
 
 
 def named_groups() -> dict[str, NamedPluginGroup[Any]]:
     """The pick-by-name groups (importing their modules is cheap: no plugin, no torch)."""
     from elastic.core.checkpoint import CHECKPOINTERS
     from elastic.core.metrics import SINKS
-    from elastic.core.registry import BACKENDS
+    from elastic.core.rendezvous.registry import BACKENDS
 
     return {g.group: g for g in (BACKENDS, SINKS, CHECKPOINTERS)}
 
@@ -26,7 +26,7 @@ def load_records(load: bool) -> list[PluginRecord]:
     """Every entry point; with ``load``, each imported once to report its status."""
     if not load:
         return discover()
-    from elastic.core.plugins import PluginHost
+    from elastic.core.plugin.host import PluginHost
 
     named = named_groups()
     records: list[PluginRecord] = []

@@ -21,11 +21,12 @@ from elastic.cli.options import (
     parse_std,
 )
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
-from elastic.core.fingerprint import node_fingerprint, parse_allowed
-from elastic.core.launcher import DEFAULT_SIGNALS, LaunchConfig, python_exec, run_script_path
+from elastic.core.launch.launcher import LaunchConfig, python_exec, run_script_path
+from elastic.core.rendezvous.fingerprint import node_fingerprint, parse_allowed
+from elastic.core.workers.process import DEFAULT_SIGNALS
 
 if TYPE_CHECKING:
-    from elastic.core.registry import HandlerFactory
+    from elastic.core.rendezvous.registry import HandlerFactory
 
 log = logging.getLogger("elastic")
 
@@ -138,7 +139,7 @@ def build_config(
     standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
     factory = None
     if not standalone:
-        from elastic.core.registry import BackendNotFoundError, get_backend_factory
+        from elastic.core.rendezvous.registry import BackendNotFoundError, get_backend_factory
 
         try:
             factory = get_backend_factory(backend)
@@ -334,9 +335,9 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     under each plugin's name).
     """
     config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
-    from elastic.core.health import HealthPortError
-    from elastic.core.launcher import launch
-    from elastic.core.rendezvous import RendezvousConfigError, RendezvousError
+    from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
+    from elastic.core.launch.launcher import launch
+    from elastic.core.watchdog.health import HealthPortError
 
     try:
         result = launch(

@@ -19,11 +19,11 @@ from typing import Any
 
 import click
 from elastic.cli.options import flag
-from elastic.core.rendezvous import JobStatus, RendezvousError, RendezvousParameters
+from elastic.core.interfaces.rendezvous import JobStatus, RendezvousError, RendezvousParameters
 
 
 def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
-    from elastic.core.registry import get_rendezvous_handler
+    from elastic.core.rendezvous.registry import get_rendezvous_handler
 
     # torch's C++ logger prints a stack for a failed store connection; status reports
     # the failure in one line itself and starts no workers that would inherit this.

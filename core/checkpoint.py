@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import IO, Protocol, runtime_checkable
 
-from elastic.core.named_plugins import NamedPluginGroup, PluginNotFoundError
+from elastic.core.plugin.named import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.checkpoint"
 ENV_CHECKPOINT = "ELASTIC_CHECKPOINT"  # e.g. "fs:/shared/ckpt", set by --checkpoint

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from elastic.core.named_plugins import NamedPluginGroup, PluginNotFoundError
+from elastic.core.plugin.named import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.metrics"
 DEFAULT_GROUP = "torchelastic"

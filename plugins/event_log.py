@@ -12,14 +12,14 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.hookspecs import hookimpl
+from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from elastic.core.config import ElasticConfig
-    from elastic.core.failures import FailureRecord
-    from elastic.core.plugin_options import PluginOptionParser
-    from elastic.core.rendezvous import RendezvousInfo
-    from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec
+    from elastic.core.interfaces.failures import FailureRecord
+    from elastic.core.interfaces.rendezvous import RendezvousInfo
+    from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec
+    from elastic.core.plugin.config import ElasticConfig
+    from elastic.core.plugin.options import PluginOptionParser
 
 HANDLERS = ("null", "console")
 

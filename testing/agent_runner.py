@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.core.config import ElasticConfig
-from elastic.core.hook_trace import call_order
-from elastic.core.launcher import LaunchConfig, create_agent
-from elastic.core.plugins import PluginHost
-from elastic.core.spec import RunResult, WorkerSpec
+from elastic.core.interfaces.spec import RunResult, WorkerSpec
+from elastic.core.launch.launcher import LaunchConfig, create_agent
+from elastic.core.plugin.config import ElasticConfig
+from elastic.core.plugin.host import PluginHost
+from elastic.core.plugin.trace import call_order
 
 
 @dataclass

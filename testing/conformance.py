@@ -46,9 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from elastic.core.fingerprint import FIELDS as FINGERPRINT_FIELDS
-from elastic.core.registry import get_rendezvous_handler
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousError,
@@ -58,6 +56,8 @@ from elastic.core.rendezvous import (
     RendezvousParameters,
     StatusNotSupportedError,
 )
+from elastic.core.rendezvous.fingerprint import FIELDS as FINGERPRINT_FIELDS
+from elastic.core.rendezvous.registry import get_rendezvous_handler
 
 
 @dataclass

@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-from elastic.core.registry import get_rendezvous_handler
-from elastic.core.rendezvous import RendezvousParameters
+from elastic.core.interfaces.rendezvous import RendezvousParameters
+from elastic.core.rendezvous.registry import get_rendezvous_handler
 
 
 def main(argv: list[str]) -> int:

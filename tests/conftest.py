@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.core.spec import WorkerSpec
+from elastic.core.interfaces.spec import WorkerSpec
 from elastic.testing.cluster import cluster_factory  # noqa: F401  (the fixture, for every test)
 
 REPO = Path(__file__).resolve().parent.parent

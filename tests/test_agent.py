@@ -13,19 +13,19 @@ from typing import Any
 import pytest
 from conftest import make_spec, pid_alive
 from conftest import write_script as script
-from elastic.core.agent import LocalElasticAgent
-from elastic.core.config import ElasticConfig
-from elastic.core.hookspecs import hookimpl
-from elastic.core.job_state import FAILED_KEY, RESTARTS_KEY
-from elastic.core.local_rendezvous import LocalRendezvousHandler
-from elastic.core.plugins import PluginHost
-from elastic.core.rendezvous import (
+from elastic.core.agent.loop import LocalElasticAgent
+from elastic.core.interfaces.job_keys import FAILED_KEY, RESTARTS_KEY
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousGracefulExitError,
     RendezvousInfo,
 )
-from elastic.core.spec import RunResult, WorkerSpec, WorkerState
+from elastic.core.interfaces.spec import RunResult, WorkerSpec, WorkerState
+from elastic.core.plugin.config import ElasticConfig
+from elastic.core.plugin.hookspecs import hookimpl
+from elastic.core.plugin.host import PluginHost
+from elastic.core.rendezvous.local import LocalRendezvousHandler
 
 REPO = Path(__file__).resolve().parent.parent
 

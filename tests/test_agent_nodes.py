@@ -10,13 +10,13 @@ from typing import Any
 
 from conftest import make_spec
 from conftest import write_script as script
-from elastic.core.agent import LocalElasticAgent
-from elastic.core.local_rendezvous import LocalRendezvousHandler
-from elastic.core.rendezvous import (
+from elastic.core.agent.loop import LocalElasticAgent
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousInfo,
 )
-from elastic.core.spec import RunResult, WorkerState
+from elastic.core.interfaces.spec import RunResult, WorkerState
+from elastic.core.rendezvous.local import LocalRendezvousHandler
 
 
 # --- several nodes sharing one job store -------------------------------------------------
@@ -24,7 +24,7 @@ class SharedRendezvous:
     """A real in-memory rendezvous for ``n`` agents in one process (one per thread)."""
 
     def __init__(self, n: int) -> None:
-        from elastic.core.store import LocalStore
+        from elastic.core.interfaces.store import LocalStore
 
         self.n = n
         self.store = LocalStore()
@@ -41,7 +41,7 @@ class NodeHandler(LocalRendezvousHandler):
         self.shared, self.name = shared, name
 
     def next_rendezvous(self) -> RendezvousInfo:
-        from elastic.core.local_rendezvous import free_port
+        from elastic.core.rendezvous.local import free_port
 
         s = self.shared
         with s.cond:

@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 # --- the agent as its own process ------------------------------------------------------
 DRIVER = """
 import json, sys
-from elastic.core.agent import LocalElasticAgent
-from elastic.core.local_rendezvous import LocalRendezvousHandler
-from elastic.core.spec import WorkerSpec
+from elastic.core.agent.loop import LocalElasticAgent
+from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.core.interfaces.spec import WorkerSpec
 cfg = json.loads(sys.argv[1])
 ints = lambda d: {int(k): v for k, v in d.items()}
 spec = WorkerSpec(
@@ -261,8 +261,9 @@ def test_cli_sigkill_leaves_no_orphans(tmp_path: Path, procs: Any) -> None:
 
 def test_agent_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, elastic.core.agent, elastic.core.local_rendezvous, elastic.core.logs, "
-        "elastic.core.process, elastic.core.worker_env, elastic.core.job_state; "
+        "import sys, elastic.core.agent.loop, elastic.core.rendezvous.local, "
+        "elastic.core.workers.logs, "
+        "elastic.core.workers.process, elastic.core.workers.env, elastic.core.agent.job_state; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

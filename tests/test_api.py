@@ -25,8 +25,8 @@ from elastic import (
     register_rendezvous_handler,
 )
 from elastic.api import launch_config_for
-from elastic.core.local_rendezvous import LocalRendezvousHandler
-from elastic.core.registry import BACKENDS
+from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.core.rendezvous.registry import BACKENDS
 
 
 def one_node(**kwargs: Any) -> LaunchConfig:

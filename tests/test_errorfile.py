@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic.core.errorfile import (
+from elastic.core.workers.errorfile import (
     ErrorFileContent,
     failure_time,
     read_error_file,

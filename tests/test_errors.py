@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-from elastic.core.config import ElasticConfig
-from elastic.core.failures import FailureRecord, summarize
-from elastic.core.plugins import PluginHost
-from elastic.core.spec import WorkerSpec
+from elastic.core.interfaces.failures import FailureRecord, summarize
+from elastic.core.interfaces.spec import WorkerSpec
+from elastic.core.plugin.config import ElasticConfig
+from elastic.core.plugin.host import PluginHost
 from elastic.plugins.errors.summary import format_time, render_summary, summary_dict
 
 T0 = 1_700_000_000.0

@@ -130,7 +130,7 @@ def test_e2e_restarts_then_reports_last_round(tmp_path: Path) -> None:
 
 PLUGIN = """\
 import json, os
-from elastic.core.hookspecs import hookimpl
+from elastic.core.plugin.hookspecs import hookimpl
 
 def _write(hook, payload):
     with open(os.environ["MYPLUG_OUT"], "a") as f:

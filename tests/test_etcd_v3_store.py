@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from elastic.core.coordination import CoordinationStore
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.coordination import CoordinationStore
+from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousParameters,
     RendezvousStateError,
     RendezvousStoreGoneError,
 )
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.plugins.rdzv_etcd_v3.client import EtcdV3AuthError, V3Config
 from elastic.plugins.rdzv_etcd_v3.store import CONNECTION_KEYS, EtcdV3Store, store_from_params
 from elastic.testing.etcd import V3_TOKEN_TTL, free_port, gateway_post, sign_cert

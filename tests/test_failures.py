@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from elastic.core.failures import (
+from elastic.core.interfaces.failures import (
     COUNT_KEY,
     RECORD_KEY,
     FailureRecord,
@@ -24,7 +24,7 @@ from elastic.core.failures import (
     script_problem,
     summarize,
 )
-from elastic.core.store import LocalStore
+from elastic.core.interfaces.store import LocalStore
 
 
 def rec(rank: int, ts: float, host: str = "h0", exit_code: int = 1, **kw: object) -> FailureRecord:
@@ -93,7 +93,7 @@ NODE_SCRIPT = textwrap.dedent(
     import json, sys, time
     from datetime import timedelta
     from torch.distributed import TCPStore
-    from elastic.core.failures import FailureRecord, collect, publish, summarize
+    from elastic.core.interfaces.failures import FailureRecord, collect, publish, summarize
 
     port, host, ts, nodes = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))

@@ -83,7 +83,7 @@ def test_overrun_restarts_and_the_job_finishes(tmp_path: Path) -> None:
 def test_server_protocol_with_torchs_client(tmp_path: Path) -> None:
     """Our server, torch's client in a real child: an expired timer signals the child;
     a malformed line or a request for a process that is not ours changes nothing."""
-    from elastic.core.file_timer import FileTimerServer
+    from elastic.core.watchdog.file_timer import FileTimerServer
 
     child_code = (
         "import signal, sys, time\n"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from elastic.core.fingerprint import (
+from elastic.core.rendezvous.fingerprint import (
     FIELDS,
     describe_differences,
     differences,

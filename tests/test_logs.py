@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic.core.logs import (
+from elastic.core.interfaces.spec import WorkerGroup, WorkerSpec
+from elastic.core.workers.env import assign_ranks
+from elastic.core.workers.logs import (
     LogLayout,
     LogTailer,
     Std,
@@ -19,9 +21,7 @@ from elastic.core.logs import (
     script_syntax_error,
     tail_lines,
 )
-from elastic.core.process import CONSOLE
-from elastic.core.spec import WorkerGroup, WorkerSpec
-from elastic.core.worker_env import assign_ranks
+from elastic.core.workers.process import CONSOLE
 
 
 def test_layout_matches_torchrun(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import make_distribution as make_dist
 from elastic.core import metrics
-from elastic.core.config import ElasticConfig
 from elastic.core.metrics import MetricData, configure_sinks, put_metric, timed
+from elastic.core.plugin.config import ElasticConfig
 
 
 @pytest.fixture(autouse=True)
@@ -246,10 +246,10 @@ def test_worker_reads_sink_from_env_without_torch_or_plugin_scan(tmp_path: Path)
 
 
 def test_events_plugin_through_plugin_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic.core.failures import FailureRecord
-    from elastic.core.plugins import PluginHost
-    from elastic.core.rendezvous import RendezvousInfo
-    from elastic.core.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+    from elastic.core.interfaces.failures import FailureRecord
+    from elastic.core.interfaces.rendezvous import RendezvousInfo
+    from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
+    from elastic.core.plugin.host import PluginHost
 
     monkeypatch.setenv("ELASTIC_PLUGINS", "metrics")  # just ours, as a real entry point
     monkeypatch.setenv("ELASTIC_METRICS_DIR", str(tmp_path))
@@ -299,7 +299,7 @@ def test_events_plugin_through_plugin_host(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_events_plugin_without_sink_sets_nothing() -> None:
-    from elastic.core.spec import WorkerSpec
+    from elastic.core.interfaces.spec import WorkerSpec
     from elastic.plugins.metrics import events
 
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="train.py")
@@ -313,8 +313,8 @@ def test_events_plugin_without_sink_sets_nothing() -> None:
 def test_two_agents_have_their_own_metrics_plugin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastic.core.plugins import PluginHost
-    from elastic.core.spec import WorkerSpec
+    from elastic.core.interfaces.spec import WorkerSpec
+    from elastic.core.plugin.host import PluginHost
 
     monkeypatch.setenv("ELASTIC_PLUGINS", "metrics")
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="train.py")

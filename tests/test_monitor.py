@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from elastic.core.round import records as R
-from elastic.core.round.monitor import Monitor
+from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.testing.cluster import Cluster
@@ -37,8 +37,8 @@ time.sleep(600)
 # prints "ready", then one JSON line each time ``fenced`` changes, for SECONDS.
 MEMBER = f"""\
 import json, sys, time
-from elastic.core.round import records as R
-from elastic.core.round.monitor import Monitor
+from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore.view import Connection, PrefixStore
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 store = PrefixStore(Connection(host, port, timeout=30.0), "job/")

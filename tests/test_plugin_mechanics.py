@@ -14,13 +14,13 @@ from typing import Any
 import pluggy
 import pytest
 from conftest import cli_env, make_distribution, run_elastic
-from elastic.core.config import ElasticConfig
-from elastic.core.hookspecs import hookimpl
-from elastic.core.plugin_options import PluginOptionParser
-from elastic.core.plugins import PluginHost
+from elastic.core.plugin.config import ElasticConfig
+from elastic.core.plugin.hookspecs import hookimpl
+from elastic.core.plugin.host import PluginHost
+from elastic.core.plugin.options import PluginOptionParser
 
 ORDER_PLUGINS = """
-from elastic.core.hookspecs import hookimpl
+from elastic.core.plugin.hookspecs import hookimpl
 
 
 class Recorder:
@@ -319,7 +319,7 @@ def test_each_host_gets_its_own_plugin_objects(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_hookspecs_are_documented() -> None:
-    from elastic.core import hookspecs
+    from elastic.core.plugin import hookspecs
 
     names = [n for n in dir(hookspecs) if n.startswith("elastic_")]
     assert {"elastic_addoption", "elastic_agent_start", "elastic_worker_env"} <= set(names)

@@ -57,7 +57,7 @@ def test_a_name_claimed_twice_names_both_in_every_group(dup_site: Path, tmp_path
 def test_in_process_registration_never_shadows_an_installed_name() -> None:
     from elastic.core.checkpoint import register_checkpointer
     from elastic.core.metrics import register_sink
-    from elastic.core.registry import register_rendezvous_handler
+    from elastic.core.rendezvous.registry import register_rendezvous_handler
 
     for register, name in [
         (register_rendezvous_handler, "c10d"),
@@ -69,8 +69,8 @@ def test_in_process_registration_never_shadows_an_installed_name() -> None:
 
 
 def test_the_launcher_reuses_the_factory_it_is_given() -> None:
-    from elastic.core.launcher import LaunchConfig, create_handler
-    from elastic.core.local_rendezvous import LocalRendezvousHandler
+    from elastic.core.launch.launcher import LaunchConfig, create_handler
+    from elastic.core.rendezvous.local import LocalRendezvousHandler
 
     made: list[Any] = []
 

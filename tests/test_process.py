@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import pid_alive, wait_until
-from elastic.core.process import (
+from elastic.core.workers.process import (
     CallableWorker,
     CommandWorker,
     signal_name,
@@ -79,7 +79,7 @@ def test_worker_dies_when_its_agent_is_sigkilled(tmp_path: Path, procs) -> None:
     agent = textwrap.dedent(
         f"""
         import os, sys, time
-        from elastic.core.process import CommandWorker
+        from elastic.core.workers.process import CommandWorker
         ws = [CommandWorker(i, [sys.executable, "-c", "import time; time.sleep(60)"],
                             dict(os.environ)) for i in range(2)]
         with open({str(pids)!r}, "w") as f:
@@ -131,7 +131,7 @@ def test_callable_worker_exception_writes_error_file(tmp_path: Path) -> None:
     assert w.reap(30) == 1
     assert w.return_value() is None
     assert "boom in callable" in err.read_text()
-    from elastic.core.errorfile import read_error_file
+    from elastic.core.workers.errorfile import read_error_file
 
     content = read_error_file(str(error_file))
     assert content is not None and content.message == "ValueError: boom in callable"
@@ -172,7 +172,7 @@ def test_callable_workers_die_when_their_agent_is_sigkilled(
     agent = textwrap.dedent(
         f"""
         import sys, time
-        from elastic.core.process import CallableWorker
+        from elastic.core.workers.process import CallableWorker
         ws = [CallableWorker(i, time.sleep, (60,), {{}}, start_method={method!r})
               for i in range(2)]
         print(" ".join(str(w.pid) for w in ws), flush=True)

@@ -1,5 +1,6 @@
-"""The lines that tell a person what the rendezvous is doing (core/round/progress.py):
-real ``elastic run`` agents on loopback with the c10d backend, stderr read as it comes."""
+"""The lines that tell a person what the rendezvous is doing
+(core/rendezvous/round/progress_lines.py): real ``elastic run`` agents on loopback with the
+c10d backend, stderr read as it comes."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import socket
 
 import pytest
 from elastic import hookimpl
-from elastic.core.local_rendezvous import LocalRendezvousHandler
-from elastic.core.registry import BACKENDS, register_rendezvous_handler
+from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.core.rendezvous.registry import BACKENDS, register_rendezvous_handler
 from elastic.testing.conformance import RendezvousTarget
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import wait_until
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -23,7 +23,7 @@ from elastic.core.rendezvous import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from elastic.core.round import records as R
+from elastic.core.rendezvous.round import records as R
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.store import parse_endpoint

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import etcd
 import pytest
-from elastic.core.registry import get_rendezvous_handler
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousMismatchError,
     RendezvousParameters,
     RendezvousStateError,
 )
+from elastic.core.rendezvous.registry import get_rendezvous_handler
 from elastic.plugins.rdzv_etcd.client import parse_endpoints
 
 if TYPE_CHECKING:

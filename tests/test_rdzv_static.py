@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousConnectionError,

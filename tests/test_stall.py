@@ -264,7 +264,7 @@ def test_waiting_for_a_busy_peer_is_not_a_stall(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_heartbeat_is_cheap_and_a_no_op_outside_elastic(tmp_path: Path) -> None:
-    from elastic.core.progress import ENV_PROGRESS, ProgressFile
+    from elastic.core.watchdog.beats import ENV_PROGRESS, ProgressFile
 
     progress = ProgressFile(str(tmp_path / "progress"))
     code = (
@@ -298,7 +298,7 @@ def test_heartbeat_is_cheap_and_a_no_op_outside_elastic(tmp_path: Path) -> None:
 def test_dump_chains_an_existing_sitecustomize_and_spares_others(tmp_path: Path) -> None:
     """The boot sitecustomize runs the one it shadows, a dump shows the sleeping frame,
     and SIGURG does not hurt a process that never registered."""
-    from elastic.core import stacks
+    from elastic.core.watchdog import stacks
 
     user = tmp_path / "user_site"
     user.mkdir()

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from conftest import REPO, free_port
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
 from elastic.core.tcpstore.view import Connection, PrefixStore
 

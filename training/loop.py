@@ -29,8 +29,8 @@ from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
+from elastic.training.heartbeat import heartbeat
 from elastic.training.preemption import checkpoint_requested, checkpoint_saved
-from elastic.training.progress import heartbeat
 from elastic.training.state import State
 
 GROUP = "elastic.train"

@@ -1,4 +1,5 @@
-"""The worker's side of a coordinated checkpoint on preemption (``elastic.core.preemption``).
+"""The worker's side of a coordinated checkpoint on preemption
+(``elastic.core.agent.checkpoint_on_notice``).
 
 A DDP script adds three lines to its step loop::
 
@@ -19,7 +20,7 @@ import mmap
 import os
 import time
 
-from elastic.core.preemption import ENV_CONTROL, HEADER, SAVED_PENDING, SLOT, slot_offset
+from elastic.core.workers.control_file import ENV_CONTROL, HEADER, SAVED_PENDING, SLOT, slot_offset
 
 STOP_WAIT = 120.0  # s checkpoint_saved() waits to be stopped before returning anyway
 

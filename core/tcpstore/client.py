@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import wire
 from elastic.core.tcpstore.wire import Query
 

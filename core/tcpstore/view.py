@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
 
 

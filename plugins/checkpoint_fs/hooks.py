@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elastic.core.checkpoint import ENV_CHECKPOINT, validate_checkpoint_spec
-from elastic.core.hookspecs import hookimpl
+from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from elastic.core.config import ElasticConfig
-    from elastic.core.plugin_options import PluginOptionParser
+    from elastic.core.plugin.config import ElasticConfig
+    from elastic.core.plugin.options import PluginOptionParser
 
 
 @hookimpl

@@ -13,13 +13,13 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from elastic.core.hookspecs import hookimpl
+from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from elastic.core.config import ElasticConfig
-    from elastic.core.failures import FailureRecord, FailureSummary
-    from elastic.core.plugin_options import PluginOptionParser
-    from elastic.core.spec import WorkerSpec
+    from elastic.core.interfaces.failures import FailureRecord, FailureSummary
+    from elastic.core.interfaces.spec import WorkerSpec
+    from elastic.core.plugin.config import ElasticConfig
+    from elastic.core.plugin.options import PluginOptionParser
 
 log = logging.getLogger("elastic.errors")
 

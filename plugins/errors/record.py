@@ -51,7 +51,7 @@ def record_exception(exc: BaseException, skip_frames: int = 0) -> None:
         )
         return
     try:
-        from elastic.core.errorfile import write_error_file
+        from elastic.core.workers.errorfile import write_error_file
 
         trace = exc.__traceback__
         for _ in range(skip_frames):

@@ -14,8 +14,8 @@ import signal
 from datetime import datetime
 from typing import Any
 
-from elastic.core.errorfile import write_text_atomic
-from elastic.core.failures import FailureRecord, FailureSummary, signal_number
+from elastic.core.interfaces.failures import FailureRecord, FailureSummary, signal_number
+from elastic.core.workers.errorfile import write_text_atomic
 
 SUMMARY_FORMAT = "elastic.failure-summary/1"
 WIDTH = 72
@@ -120,7 +120,7 @@ def render_failure(record: FailureRecord, root: FailureRecord | None = None) -> 
     stacks = record.extra.get("stacks") if isinstance(record.extra, dict) else None
     if not record.traceback and root is None and not stacks:
         lines.append(f"  {'traceback':<10} : {NO_TRACEBACK_HINT}")
-    if stacks:  # dumped by the agent before it killed a hung worker (core/stacks.py)
+    if stacks:  # dumped by the agent before it killed a hung worker (core/watchdog/stacks.py)
         shown = stacks if root is None else main_thread(stacks)
         note = "every thread" if root is None else "main thread; every thread in the JSON"
         lines.append(f"  {'stacks':<10} : ({note}, most recent call first)")

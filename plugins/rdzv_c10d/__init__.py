@@ -2,7 +2,7 @@
 
 ``--rdzv-backend=c10d --rdzv-endpoint=HOST[:29400] --rdzv-id=JOB``: the agent whose
 machine owns HOST hosts the store (bound to that address only); every other agent
-connects to it. ``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``) and
+connects to it. ``--rdzv-conf`` keys: the round's (``elastic.core.rendezvous.round.settings``) and
 ``C10D_KEYS`` below.
 
 Neither importing this package nor running a handler imports torch.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elastic.core.rendezvous import RendezvousConfigError
+from elastic.core.interfaces.rendezvous import RendezvousConfigError
 
 if TYPE_CHECKING:
-    from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
+    from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 
 C10D_KEYS = (
     "is_host",  # true: host the store here (fail if we cannot); false: external store
@@ -25,7 +25,7 @@ C10D_KEYS = (
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``elastic.rendezvous`` entry point: validate the config, host or reach the store."""
-    from elastic.core.round.settings import parse_round_settings
+    from elastic.core.rendezvous.round.settings import parse_round_settings
     from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 
     settings = parse_round_settings(params, C10D_KEYS)

@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic.core import net
-from elastic.core.rendezvous import RendezvousConnectionError, RendezvousParameters
-from elastic.core.round.handler import RoundRendezvousHandler
-from elastic.core.round.settings import RoundSettings
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousParameters
+from elastic.core.rendezvous import net
+from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
+from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,

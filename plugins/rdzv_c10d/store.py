@@ -12,11 +12,8 @@ import logging
 import socket
 from typing import TypeVar
 
-from elastic.core import net
-from elastic.core.rendezvous import (
-    RendezvousConfigError,
-    RendezvousConnectionError,
-)
+from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousConnectionError
+from elastic.core.rendezvous import net
 from elastic.core.tcpstore import TCPStoreServer
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import etcd
-from elastic.core.fingerprint import VERSION_FIELDS
-from elastic.core.net import free_port
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     JobStatus,
     MemberStatus,
     RendezvousConfigError,
@@ -27,7 +25,9 @@ from elastic.core.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
 )
-from elastic.core.round.monitor import Unanswered
+from elastic.core.rendezvous.fingerprint import VERSION_FIELDS
+from elastic.core.rendezvous.net import free_port
+from elastic.core.rendezvous.round.monitor import Unanswered
 from elastic.plugins.rdzv_etcd.client import (
     CONNECTION_KEYS,
     EtcdClient,
@@ -187,7 +187,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _raise_if_fenced(self) -> None:
         """A node that cannot confirm its keep-alive for its TTL, or whose keep-alive
-        expired, is out of the round: its workers must stop (see core/round/monitor.py
+        expired, is out of the round: its workers must stop (see core/rendezvous/round/monitor.py
         for the same rule on the other dynamic backends)."""
         if self._evicted:
             raise RendezvousFencedError(

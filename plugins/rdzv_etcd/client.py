@@ -19,7 +19,7 @@ from typing import Any
 
 import etcd
 import urllib3
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousParameters,

@@ -13,12 +13,12 @@ import uuid
 from typing import Any
 
 import etcd
-from elastic.core import fingerprint
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousMismatchError,
     RendezvousStateError,
 )
+from elastic.core.rendezvous import fingerprint
 from elastic.plugins.rdzv_etcd.client import EtcdClient
 
 

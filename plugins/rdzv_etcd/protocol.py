@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import etcd
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousTimeoutError,

@@ -1,4 +1,4 @@
-"""An etcd v2 ``CoordinationStore`` (``elastic.core.coordination``): the store the shared
+"""An etcd v2 ``CoordinationStore`` (``elastic.core.interfaces.coordination``): the store the shared
 round runs over in the ``etcd-v2`` backend, and the job store of the legacy ``etcd`` one.
 
 Keys are base64url-encoded into one path segment each, so ``agent/failures`` and
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import etcd
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.plugins.rdzv_etcd.client import EtcdClient
 
 

@@ -1,6 +1,6 @@
 """The ``etcd-v2`` rendezvous backend: the shared round over etcd's v2 API.
 
-Every membership rule is the shared round's (``elastic.core.round``); this backend only
+Every membership rule is the shared round's (``elastic.core.rendezvous.round``); this backend only
 connects. Its store keeps each key as one flat entry (base64url-encoded) in the job's
 directory ``<key_prefix>/<run_id>/``; heartbeats carry a TTL so a dead node's key goes
 away by itself; ``compare_set`` and ``add`` are etcd test-and-set writes; ``wait`` is a
@@ -9,17 +9,17 @@ watch. State is JSON; nothing read from etcd is ever unpickled.
 etcd 3.4/3.5 serve the v2 API only with ``--enable-v2``, and etcd 3.6 removed it: prefer
 the ``etcd-v3`` backend, which needs neither.
 
-``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``) and ``ETCD_V2_KEYS``.
+``--rdzv-conf`` keys: the round's (``elastic.core.rendezvous.round.settings``) and ``ETCD_V2_KEYS``.
 """
 
 from __future__ import annotations
 
 import math
 
-from elastic.core import net
-from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
-from elastic.core.round.handler import RoundRendezvousHandler
-from elastic.core.round.settings import parse_round_settings
+from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
+from elastic.core.rendezvous import net
+from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
+from elastic.core.rendezvous.round.settings import parse_round_settings
 from elastic.plugins.rdzv_etcd.client import CONNECTION_KEYS, check_reachable, client_from_params
 from elastic.plugins.rdzv_etcd.store import EtcdStore
 

@@ -1,20 +1,20 @@
 """The ``etcd-v3`` rendezvous backend: the shared round over etcd's v3 API.
 
-Every membership rule is the shared round's (``elastic.core.round``); this module only
+Every membership rule is the shared round's (``elastic.core.rendezvous.round``); this module only
 connects. Liveness rides on a lease per connection (a crashed node's heartbeat key goes
 away by itself), ``compare_set`` and ``add`` are transactions, ``wait`` is a watch. It
 needs neither etcd's v2 API (off by default in 3.4/3.5, removed in 3.6) nor gRPC.
 
-``--rdzv-conf`` keys: the round's (``elastic.core.round.settings``), ``key_prefix``
+``--rdzv-conf`` keys: the round's (``elastic.core.rendezvous.round.settings``), ``key_prefix``
 (default ``/elastic/rdzv-v3``) and the connection keys of ``store.CONNECTION_KEYS``.
 """
 
 from __future__ import annotations
 
-from elastic.core import net
-from elastic.core.rendezvous import RendezvousHandler, RendezvousParameters
-from elastic.core.round.handler import RoundRendezvousHandler
-from elastic.core.round.settings import parse_round_settings
+from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
+from elastic.core.rendezvous import net
+from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
+from elastic.core.rendezvous.round.settings import parse_round_settings
 
 DEFAULT_PREFIX = "/elastic/rdzv-v3"
 

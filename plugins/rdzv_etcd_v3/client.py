@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import urllib3
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousError,

@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousParameters,
     RendezvousStateError,
 )
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.plugins.rdzv_etcd_v3.client import (
     DEFAULT_PORT,
     EtcdV3Client,

@@ -17,12 +17,12 @@ chosen, and torch is only needed once a rendezvous actually runs.
 
 from __future__ import annotations
 
-from elastic.core import net
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousHandler,
     RendezvousParameters,
 )
+from elastic.core.rendezvous import net
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500

@@ -31,8 +31,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from elastic.core import net
-from elastic.core.rendezvous import (
+from elastic.core.interfaces.rendezvous import (
     JobStatus,
     RendezvousClosedError,
     RendezvousConfigError,
@@ -43,7 +42,8 @@ from elastic.core.rendezvous import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from elastic.core.store import Store, StoreTimeoutError
+from elastic.core.interfaces.store import Store, StoreTimeoutError
+from elastic.core.rendezvous import net
 from elastic.plugins.rdzv_static import status
 from elastic.plugins.rdzv_static import store as tcp
 from elastic.plugins.rdzv_static.store import (

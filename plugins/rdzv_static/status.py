@@ -11,9 +11,9 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.job_state import read_job_state
-from elastic.core.rendezvous import JobStatus, MemberStatus
-from elastic.core.store import Store
+from elastic.core.interfaces.job_keys import read_job_state
+from elastic.core.interfaces.rendezvous import JobStatus, MemberStatus
+from elastic.core.interfaces.store import Store
 from elastic.plugins.rdzv_static import store as tcp
 from elastic.plugins.rdzv_static.store import ARRIVALS, CLOSED, JOB, LATEST
 

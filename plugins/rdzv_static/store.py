@@ -9,8 +9,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.rendezvous import RendezvousConnectionError
-from elastic.core.store import StoreTimeoutError
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 

@@ -1,0 +1,121 @@
+"""Preemption without lost work: a coordinated checkpoint on notice, then a clean departure.
+
+Spot instances and preemptible VMs give notice (SIGTERM and ~30 s on most clouds, a pod's
+grace period on Kubernetes). An agent that gets the notice (``--preemption-signal``,
+SIGTERM by default) asks the whole job to checkpoint at its next step boundary and leaves
+once the save is complete, or when ``--preemption-grace`` runs out, whichever is first:
+
+1. It publishes ``agent/preempt/<round>`` with ``compare_set``: two notices at once make
+   one request, so the job saves once.
+2. Every agent (its ``JobWatch`` reads the key) raises the request in its node's control
+   file; every worker sees it through ``elastic.checkpoint_requested()`` (a read of shared
+   memory), the ranks agree with one all_reduce, save, and call
+   ``elastic.checkpoint_saved()``, which marks the worker's slot and then waits for the
+   agent to stop it (the job is about to re-form: no step runs past the checkpoint).
+3. An agent whose workers have all saved adds one to ``agent/preempt/<round>/saved``; the
+   departing agent leaves when that count reaches the round's size. The survivors see the
+   departure at once, regroup without spending a restart, and resume from the checkpoint.
+
+The control file (``elastic.core.workers.control_file``) carries the request to the
+workers; the worker side is ``elastic.training.preemption``. This module runs in the
+agent and never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from elastic.core.interfaces.job_keys import PREEMPT_KEY
+from elastic.core.interfaces.rendezvous import RendezvousError
+from elastic.core.interfaces.store import Store
+from elastic.core.workers.control_file import ControlFile
+
+DEFAULT_GRACE = 25.0
+
+
+def saved_key(round_: int) -> str:
+    return PREEMPT_KEY.format(round_) + "/saved"
+
+
+class Coordinator:
+    """One agent's part in a round's coordinated checkpoint (any agent: the departing
+    one and the others alike). ``number`` identifies the request in control files."""
+
+    def __init__(self, store: Store, round_: int, control: ControlFile) -> None:
+        self.store = store
+        self.round = round_
+        self.control = control
+        self.number = round_ + 1  # unique per round; 0 means "no request"
+        self._counted = False
+
+    def announce(self, who: dict[str, object]) -> None:
+        """Publish the request; the first notice of the round wins, later ones join it."""
+        self.store.compare_set(PREEMPT_KEY.format(self.round), "", json.dumps(who))
+
+    def relay(self) -> None:
+        """Raise the request locally; count this node once all its workers saved."""
+        self.control.request(self.number)
+        if not self._counted and self.control.all_saved(self.number):
+            self.store.add(saved_key(self.round), 1)
+            self._counted = True
+
+    def complete(self, world_size: int) -> bool:
+        """Every node of the round has saved."""
+        return self._counted and int(self.store.add(saved_key(self.round), 0)) >= world_size
+
+
+def wait_for_save(
+    coordinator: Coordinator,
+    world_size: int,
+    grace: float,
+    workers_alive: Callable[[], bool],
+    pause: float = 0.05,
+) -> bool:
+    """Relay the request until the whole job saved (True) or the grace ran out, a worker
+    ended, or the store stopped answering (False: leave anyway; the job resumes from its
+    last complete checkpoint, which a checkpointer writes atomically)."""
+    deadline = time.monotonic() + grace
+    try:
+        while time.monotonic() < deadline and workers_alive():
+            coordinator.relay()
+            if coordinator.complete(world_size):
+                return True
+            time.sleep(pause)
+    except RendezvousError:
+        return False
+    return False
+
+
+def checkpoint_before_leaving(
+    coordinator: Coordinator,
+    signal_name: str,
+    node_id: str,
+    world_size: int,
+    grace: float,
+    workers_alive: Callable[[], bool],
+) -> None:
+    """The departing agent's part: announce the notice, then wait (bounded by ``grace``)
+    until every node saved, saying what happened in one line each."""
+    print(
+        f"elastic: {signal_name}: preemption notice; the job checkpoints before this node "
+        f"leaves (--preemption-grace {grace:g}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        coordinator.announce({"node": node_id, "host": socket.gethostname(), "at": time.time()})
+    except RendezvousError:
+        return
+    if wait_for_save(coordinator, world_size, grace, workers_alive):
+        print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr, flush=True)
+    else:
+        print(
+            "elastic: no complete checkpoint within the grace; leaving anyway (the job "
+            "resumes from its last complete checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )

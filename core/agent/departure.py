@@ -1,0 +1,48 @@
+"""Was a worker failure caused by a node leaving? Then it costs no restart.
+
+When a member of the round dies or departs, the survivors' workers usually fail first
+(gloo: "Connection closed by peer"), before the rendezvous has published the loss. Such
+a failure must re-form the group without spending the restart budget or being reported
+as the root cause. This module decides, from the rendezvous and the failure records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from elastic.core.agent.job_state import store_call
+from elastic.core.interfaces import failures as fail
+from elastic.core.interfaces.job_keys import CLAIM_KEY
+from elastic.core.interfaces.rendezvous import RendezvousHandler
+from elastic.core.interfaces.store import Store
+
+# How long a worker failure that looks like a lost peer (gloo/NCCL connection errors)
+# waits for the rendezvous to confirm a departure before it spends a restart: longer than
+# the default heartbeat_timeout (5 s), so a crashed peer is found stale in time.
+PEER_LOSS_WAIT = 7.0
+
+
+def departure_caused(
+    handler: RendezvousHandler,
+    store: Store | None,
+    round_: int,
+    records: list[fail.FailureRecord],
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """At once if a departure is already known (a departing node says so before its
+    workers stop); otherwise, unless the workers' own errors show a failure of their
+    own, after waiting up to ``PEER_LOSS_WAIT`` for the rendezvous to confirm a crashed
+    peer. Another node claiming a restart first means a real failure."""
+    if store_call(handler.membership_changed):
+        return True
+    if not all(fail.may_be_peer_loss(record) for record in records):
+        return False
+    deadline = time.monotonic() + PEER_LOSS_WAIT
+    while time.monotonic() < deadline:
+        sleep(0.25)
+        if store_call(handler.membership_changed):
+            return True
+        if store is not None and store_call(store.check, [CLAIM_KEY.format(round_)]):
+            return False  # another node's workers failed first: a real failure
+    return False

@@ -1,0 +1,274 @@
+"""``RoundRendezvousHandler``: the one RendezvousHandler every dynamic backend shares.
+
+A backend (``c10d``, ``etcd-v2``, ``etcd-v3``) only connects: it hands this class two
+``CoordinationStore`` views of the job (one for the agent thread, one for the monitor
+thread, so a long ``wait`` never holds a heartbeat back) and, for ``c10d``, the store
+server it hosts. Every membership rule lives here and in ``protocol``/``monitor``: join
+slots, the coordinator, the last call, stable ranks and rank hints, fingerprints, the
+job token, liveness, departure, fencing and ``describe``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from elastic.core.interfaces.coordination import CoordinationStore
+from elastic.core.interfaces.rendezvous import (
+    JobStatus,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousFencedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreGoneError,
+)
+from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.monitor import LivenessTracker, Monitor, add_lost, read_lost
+from elastic.core.rendezvous.round.progress_lines import Say
+from elastic.core.rendezvous.round.protocol import RoundProtocol
+from elastic.core.rendezvous.round.settings import RoundSettings
+from elastic.core.rendezvous.round.status import describe
+
+log = logging.getLogger(__name__)
+
+RETRY_PAUSE = 1.0  # s between attempts to reach an unreachable store while (re)joining
+
+
+class RoundRendezvousHandler(RendezvousHandler):
+    def __init__(
+        self,
+        params: RendezvousParameters,
+        settings: RoundSettings,
+        backend: str,
+        job_store: CoordinationStore,
+        monitor_store: CoordinationStore | None,
+        addr: str,
+    ) -> None:
+        self.params = params
+        self.settings = settings
+        self.backend = backend
+        self.run_id = params.run_id
+        self.job_store = job_store
+        self.rdzv_store = job_store.sub("rdzv/")
+        self._monitor_store = monitor_store
+        self._current: R.Assignment | None = None
+        self._shut = False
+        self._left = False
+        self.node_id = R.new_node_id()
+        self.addr = addr
+        node = {
+            "id": self.node_id,
+            "host": socket.gethostname(),
+            "addr": addr,
+            "pid": os.getpid(),
+            "fp": dict(params.fingerprint),
+            "rank_hint": settings.node_rank,
+        }
+        self.protocol = RoundProtocol(
+            self.rdzv_store,
+            settings,
+            self.run_id,
+            node,
+            self._phase,
+            self._monitor_error,
+            allow_mismatch=params.allow_mismatch,
+        )
+        self._monitor: Monitor | None = None
+        if monitor_store is not None and not params.read_only:
+            self._monitor = Monitor(
+                monitor_store.sub("rdzv/"),
+                self.node_id,
+                settings.heartbeat_interval,
+                settings.heartbeat_timeout,
+            )
+
+    @property
+    def where(self) -> str:
+        return self.job_store.where
+
+    # -- RendezvousHandler ------------------------------------------------------------
+    def get_backend(self) -> str:
+        return self.backend
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def _live_monitor(self) -> Monitor:
+        if self._monitor is None or self._shut:
+            raise RendezvousError(f"this {self.backend} handler is read-only or shut down")
+        if self._monitor.error is not None:
+            raise RendezvousConnectionError(str(self._monitor.error))
+        return self._monitor
+
+    def _monitor_error(self) -> Exception | None:
+        return self._monitor.error if self._monitor is not None else None
+
+    def _phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
+        if self._monitor is not None:
+            self._monitor.set_phase(watch, quiet)
+
+    def set_progress(self, say: Say | None) -> None:
+        self.protocol.progress = say
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        monitor = self._live_monitor()
+        monitor.set_round(None, None)  # the old round's liveness no longer matters
+        self._current = None
+        deadline = time.monotonic() + self.settings.join_timeout
+        told = False
+        while True:
+            try:
+                monitor.start()
+                asg = self.protocol.next_round()
+                break
+            except StoreTimeoutError as exc:  # an operation that should be instant hung
+                raise RendezvousConnectionError(
+                    f"the rendezvous store at {self.where} stopped answering: {exc}"
+                ) from None
+            except RendezvousStoreGoneError:
+                raise
+            except RendezvousConnectionError as exc:
+                # No answer at all (a partition, a host rebooting): keep trying until
+                # join_timeout, so a node cut off for a while rejoins by itself.
+                if time.monotonic() + RETRY_PAUSE >= deadline:
+                    raise
+                if not told:
+                    log.warning(
+                        "cannot reach the rendezvous store at %s (%s); retrying until "
+                        "join_timeout=%gs",
+                        self.where,
+                        exc,
+                        self.settings.join_timeout,
+                    )
+                    told = True
+                time.sleep(RETRY_PAUSE)
+        self._live_monitor()  # a store lost meanwhile is an error, not a round
+        rank = asg.members.index(self.node_id)
+        self._current = asg
+        monitor.set_round(asg, rank)
+        return RendezvousInfo(
+            store=self.job_store,
+            rank=rank,
+            world_size=len(asg.members),
+            master_addr=asg.master_addr,
+            master_port=asg.master_port,
+            round=asg.round,
+            members=list(asg.members),
+            hosts=list(asg.hosts),
+        )
+
+    def is_closed(self) -> bool:
+        if self._monitor is not None and self._monitor.in_round and not self._shut:
+            return self._live_monitor().closed
+        return self.protocol.is_closed()
+
+    def set_closed(self) -> None:
+        self.protocol.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        if self._monitor is None or not self._monitor.started:
+            return 0
+        return self._live_monitor().waiting
+
+    def lost_nodes(self) -> list[str]:
+        if self._monitor is None or not self._monitor.started:
+            return []
+        monitor = self._live_monitor()
+        why = monitor.fenced(self.where)
+        if why is not None:
+            raise RendezvousFencedError(why)
+        return list(monitor.lost)
+
+    def membership_changed(self) -> bool:
+        if self._current is None:
+            return False
+        return bool(read_lost(self.rdzv_store, self._current.round))
+
+    def leave(self) -> None:
+        """Record that we left (heartbeat "left", and ourselves in the round's lost list)
+        so every survivor regroups on its next tick; never blocks for long: the monitor
+        thread may be stuck in a partition, so it is not waited for."""
+        if self._left or self.params.read_only or self._monitor is None:
+            return
+        self._left = True
+        self._monitor.stop(wait=False)
+        try:
+            self.rdzv_store.set(R.hb_key(self.node_id), R.LEFT)
+            if self._current is not None:
+                add_lost(self.rdzv_store, self._current.round, [self.node_id])
+        except RendezvousStoreGoneError:
+            pass  # no store, no job left to tell: the agent has said so in its own line
+        except RendezvousError as exc:
+            log.warning("%s rendezvous: could not record our departure: %s", self.backend, exc)
+
+    def shutdown(self) -> bool:
+        """Leave the job: "done" when it is closed (our workers finished it), otherwise
+        a departure the others regroup after at once."""
+        if self._shut:
+            return True
+        ok = True
+        if self._monitor is not None and not self._left:
+            finished = False
+            try:
+                finished = self._current is not None and self.protocol.is_closed()
+            except RendezvousError:
+                pass
+            if finished:
+                self._monitor.stop()
+                try:
+                    self.rdzv_store.set(R.hb_key(self.node_id), R.DONE)
+                except RendezvousError as exc:
+                    log.warning("%s rendezvous: could not record shutdown: %s", self.backend, exc)
+                    ok = False
+            else:
+                self.leave()
+        self._shut = True
+        if self._monitor is not None:
+            self._monitor.stop(wait=not self._left)
+        self.after_shutdown()
+        self.close_stores()
+        return ok
+
+    def close_stores(self) -> None:
+        """Close this node's store connections; idempotent."""
+        for store in (self._monitor_store, self.job_store):
+            if store is not None:
+                store.close()
+
+    def after_shutdown(self) -> None:
+        """What a backend does once this node is out (c10d: keep a hosted store up for
+        the others a little longer)."""
+
+    def wait_for_members(self, timeout: float) -> None:
+        """Until the other members of our last round are done, gone or left (bounded),
+        so they can still read job-wide keys at the end."""
+        asg = self._current
+        if asg is None:
+            return
+        others = [m for m in asg.members if m != self.node_id]
+        tracker = LivenessTracker(self.settings.heartbeat_timeout, 0.2)
+        deadline = time.monotonic() + timeout
+        while others and time.monotonic() < deadline:
+            try:
+                values = self.rdzv_store.multi_get([R.hb_key(m) for m in others])
+            except Exception:  # the store is gone: nothing to wait for
+                return
+            # A key that is gone (a lease expired) is a node that no longer needs the store.
+            beats = {m: v for m, v in zip(others, values, strict=True) if v}
+            lost, done = tracker.update(beats, time.monotonic())
+            others = [m for m in beats if m not in set(lost) | set(done)]
+            if others:
+                time.sleep(0.2)
+
+    def describe(self) -> JobStatus:
+        return describe(self.job_store, self.rdzv_store, self.protocol, self.params, self.backend)
+
+    # -- for tests ----------------------------------------------------------------
+    def _suspend_heartbeats(self) -> None:
+        if self._monitor is not None:
+            self._monitor.suspend_heartbeats()

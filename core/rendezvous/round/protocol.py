@@ -1,0 +1,343 @@
+"""The round algorithm: O(N) store operations per round in total.
+
+A joiner takes a slot with one ``add`` on the round's counter and writes its own join
+record; the lowest valid slot coordinates: it polls the counter (cheap: one node), reads
+the new records in one ``multi_get``, decides when the round is complete and publishes one
+assignment with ``compare_set``. Everyone else blocks in one server-side ``wait`` on that
+key. The same ``compare_set`` is how a round is abandoned (dead coordinator, timeout) or
+closed, so a waiter is always woken by exactly one key and nothing polls in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from elastic.core.interfaces.coordination import CoordinationStore
+from elastic.core.interfaces.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousMismatchError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.rendezvous.fingerprint import describe_differences, differences
+from elastic.core.rendezvous.net import free_port
+from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.monitor import note_event, read_lost
+from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say
+from elastic.core.rendezvous.round.settings import RoundSettings
+
+log = logging.getLogger(__name__)
+
+WATCHERS = 3  # waiters (the slots after the coordinator's) that watch the coordinator
+
+
+class RoundProtocol:
+    def __init__(
+        self,
+        store: CoordinationStore,
+        settings: RoundSettings,
+        run_id: str,
+        node: dict[str, Any],
+        phase: Callable[[tuple[int, str] | None, bool], None],
+        abort: Callable[[], Exception | None] = lambda: None,
+        allow_mismatch: frozenset[str] = frozenset(),
+    ) -> None:
+        self.store = store
+        self.s = settings
+        self.run_id = run_id
+        self.node = node  # id, host, addr, pid, fp, rank_hint
+        self.node_id: str = node["id"]
+        self._phase = phase  # tells the heartbeat thread whom to watch, whether to beat
+        self._abort = abort  # the heartbeat thread's error, if it lost the store
+        self.allow_mismatch = allow_mismatch
+        self._admitted = False  # our fingerprint matched the job's once; it cannot change
+        # Waiting lines (progress.py): the callback that prints them.
+        self.progress: Say | None = None
+        self._lines: RoundProgress | None = None
+
+    # -- reading state ----------------------------------------------------------------
+    def full(self, key: str) -> str:
+        return self.store.prefix + key
+
+    def current_round(self) -> int:
+        raw = self.store.compare_set(R.ROUND, "", "0")  # creates it at 0, or reads it
+        try:
+            return int(raw)
+        except ValueError:
+            raise RendezvousStateError(
+                f"rendezvous state key {self.full(R.ROUND)!r} is not a round number: "
+                f"{bytes(raw[:60])!r}"
+            ) from None
+
+    def read_assignment(self, rnd: int) -> R.Assignment | None:
+        key = R.assignment_key(rnd)
+        if rnd < 0 or not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        return R.Assignment.from_json(raw, self.full(key), self.s.token, self.run_id)
+
+    def read_lost(self, rnd: int) -> list[str]:
+        return read_lost(self.store, rnd)
+
+    def is_closed(self) -> bool:
+        return self.store.check([R.CLOSED])
+
+    def _raise_if_closed(self) -> None:
+        if self.is_closed():
+            raise RendezvousClosedError(
+                f"the rendezvous of run {self.run_id!r} is closed (the job has finished)"
+            )
+
+    def publish(self, rnd: int, asg: R.Assignment) -> R.Assignment:
+        """compare_set the round's outcome; returns whichever outcome won."""
+        desired = asg.to_json(self.s.token, self.run_id).encode()
+        held = self.store.compare_set(R.assignment_key(rnd), "", desired)
+        if held == desired:
+            return asg
+        return R.Assignment.from_json(
+            held, self.full(R.assignment_key(rnd)), self.s.token, self.run_id
+        )
+
+    def set_closed(self) -> None:
+        self.store.set(R.CLOSED, "1")
+        note_event(self.store)
+        rnd = self.current_round()
+        # Wake whoever waits on an unformed round; a formed one learns it by heartbeat.
+        self.publish(rnd, R.Assignment(round=rnd, state="closed"))
+
+    # -- joining ----------------------------------------------------------------------
+    def check_fingerprint(self) -> None:
+        """The first joiner's fingerprint becomes the job's; a node that differs is
+        refused before it takes a slot, so the running job never sees it."""
+        mine = self.node.get("fp") or {}
+        if self._admitted or not mine:
+            return
+        desired = R.dumps(mine).encode()
+        held = bytes(self.store.compare_set(R.FINGERPRINT, "", desired))
+        if held != desired:
+            job = R.loads(held, self.full(R.FINGERPRINT))
+            diffs = differences(job if isinstance(job, dict) else {}, mine, self.allow_mismatch)
+            if diffs:
+                index = self.store.add(R.REFUSED_COUNT, 1)
+                note = {"host": self.node["host"], "pid": self.node["pid"], "fields": sorted(diffs)}
+                self.store.set(R.refused_key(index), R.dumps(note))
+                note_event(self.store)
+                raise RendezvousMismatchError(describe_differences(diffs), diffs)
+        self._admitted = True
+
+    def next_round(self) -> R.Assignment:
+        self._raise_if_closed()
+        self.check_fingerprint()
+        deadline = time.monotonic() + self.s.join_timeout
+        if self.progress is not None:
+            self._lines = RoundProgress(self.progress, self.s.min_nodes, self.s.max_nodes, deadline)
+        while True:
+            self._raise_if_closed()
+            rnd = self.current_round()
+            asg = self.read_assignment(rnd)
+            if asg is None:
+                target = rnd
+            elif asg.state == "closed":
+                self._raise_if_closed()
+                target = rnd + 1
+            elif asg.state == "abandoned":
+                target = rnd + 1
+            elif self.node_id in asg.members or len(asg.members) < self.s.max_nodes:
+                # A member asking again wants a new round; a newcomer to a job with room
+                # joins the next one, which members see as num_nodes_waiting() > 0.
+                target = rnd + 1
+            else:
+                self._standby(rnd, deadline)  # full job: wait until someone re-forms it
+                continue
+            if target != rnd:
+                self.store.compare_set(R.ROUND, str(rnd), str(target))
+            result = self._join(target, deadline)
+            if result is not None:
+                return result
+
+    def _standby(self, rnd: int, deadline: float) -> None:
+        pause = min(0.25, self.s.heartbeat_interval)
+        while not self.store.check([R.count_key(rnd + 1)]):
+            self._raise_if_closed()
+            if time.monotonic() >= deadline:
+                raise self._timeout("the job is full (max_nodes) and never re-formed")
+            if self._lines is not None:
+                self._lines.standby()
+            time.sleep(pause)
+
+    def _timeout(self, why: str) -> RendezvousTimeoutError:
+        return RendezvousTimeoutError(
+            f"rendezvous of run {self.run_id!r} did not complete within join_timeout="
+            f"{self.s.join_timeout:g}s: {why}"
+        )
+
+    def _join(self, rnd: int, deadline: float) -> R.Assignment | None:
+        record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
+        record = R.signed(self.s.token, self.run_id, record)
+        slot = self.store.add(R.count_key(rnd), 1)
+        self.store.set(R.join_key(rnd, slot), R.dumps(record))
+        if rnd > 0:  # the running round's members count the next round's joiners
+            note_event(self.store)
+        found = self._find_coordinator(rnd, slot)
+        if found is None:
+            asg = self._coordinate(rnd, deadline)
+        else:
+            # While we wait only the coordinator's liveness matters: we stay quiet, and
+            # only the next few slots watch it (a round of N waiters costs O(1) per tick).
+            coord_slot, coordinator = found
+            watcher = slot - coord_slot <= WATCHERS
+            self._phase((rnd, coordinator) if watcher else None, True)
+            try:
+                asg = self._await(rnd, deadline)
+            finally:
+                self._phase(None, False)
+        if asg.state == "closed":
+            self._raise_if_closed()
+        if asg.state != "formed" or self.node_id not in asg.members:
+            return None  # abandoned, or formed without us: go round again
+        return asg
+
+    def _read_slots(self, rnd: int, first: int, last: int) -> list[dict[str, Any]]:
+        """The valid join records in slots first..last, in slot order."""
+        keys = [R.join_key(rnd, i) for i in range(first, last + 1)]
+        if not keys:
+            return []
+        try:  # a slot is written right after it is taken: this wait is short
+            self.store.wait(keys, timedelta(seconds=self.s.read_timeout))
+        except StoreTimeoutError:
+            pass  # a joiner died between add and set: its slot reads empty, and is skipped
+        out = []
+        for key, raw in zip(keys, self.store.multi_get(keys), strict=True):
+            if not raw:
+                continue
+            record = R.loads(raw, self.full(key))
+            if not R.valid_join(record, rnd):
+                log.warning("ignoring malformed join record at %s", self.full(key))
+            elif not R.verify(self.s.token, self.run_id, record):
+                log.warning(
+                    "ignoring join record at %s from %r: no valid signature for this job's token",
+                    self.full(key),
+                    record.get("host"),
+                )
+            else:
+                out.append(record)
+        return out
+
+    def _find_coordinator(self, rnd: int, slot: int) -> tuple[int, str] | None:
+        """(slot, node id) of the lowest valid slot, the coordinator; None when it is us."""
+        for i in range(1, slot):
+            found = self._read_slots(rnd, i, i)
+            if found:
+                return i, str(found[0]["id"])
+        return None
+
+    def _await(self, rnd: int, deadline: float) -> R.Assignment:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise self._timeout("no assignment was published")
+        # The blocking wait runs in a helper thread so that we can give up as soon as the
+        # heartbeat thread finds the store unreachable (a host that vanished without a
+        # TCP reset would otherwise keep this wait blocked until join_timeout).
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining))
+            except BaseException as exc:  # handed to the joining thread below
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"rdzv-wait-{rnd}", daemon=True).start()
+        lines = self._lines
+        while not done.wait(1.0 if lines is None else min(1.0, lines.until_due() + 0.01)):
+            error = self._abort()
+            if error is not None:
+                raise RendezvousConnectionError(str(error))
+            if lines is not None:
+                lines.waiting(self.store, rnd)
+        if failure:
+            if isinstance(failure[0], StoreTimeoutError):
+                raise self._timeout("no assignment was published")
+            raise failure[0]
+        asg = self.read_assignment(rnd)
+        assert asg is not None
+        return asg
+
+    def last_formed(self, rnd: int) -> R.Assignment | None:
+        """The newest formed round at or before ``rnd`` (abandoned ones are skipped)."""
+        for back in range(rnd, max(-1, rnd - 5), -1):
+            asg = self.read_assignment(back)
+            if asg is not None and asg.state == "formed":
+                return asg
+        return None
+
+    def _coordinate(self, rnd: int, deadline: float) -> R.Assignment:
+        prev = self.last_formed(rnd - 1)
+        prev_members = prev.members if prev is not None else []
+        # Survivors of the last round we are waiting for; once all are here there is
+        # nobody known to wait for, so the last call is skipped (fast re-forming).
+        lost = self.read_lost(prev.round) if prev is not None else []
+        expected = set(prev_members) - set(lost)
+        joined: list[dict[str, Any]] = []
+        seen, min_at, pause, clashed = 0, None, 0.002, False
+        while True:
+            if self.is_closed():
+                self.publish(rnd, R.Assignment(round=rnd, state="closed"))
+                self._raise_if_closed()
+            count = self.store.add(R.count_key(rnd), 0)
+            if count > seen:
+                joined += self._read_slots(rnd, seen + 1, count)
+                seen = count
+            ids = {rec["id"] for rec in joined}
+            if len(ids) < len(joined) and not clashed:
+                clashed = True  # a node joins a round once: two nodes share an id
+                log.warning(
+                    "round %d: %d join records share a node id, so they count as one "
+                    "node (ids: %s)", rnd, len(joined) - len(ids), R.repeated_ids(joined)
+                )  # fmt: skip
+            if self._lines is not None:
+                self._lines.coordinating(self.store, rnd, joined, prev)
+            now = time.monotonic()
+            if len(ids) >= self.s.max_nodes:
+                break
+            if len(ids) >= self.s.min_nodes:
+                min_at = now if min_at is None else min_at
+                if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
+                    break
+            if now >= deadline:
+                self.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
+                raise self._timeout(f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+        chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
+        asg = R.Assignment(
+            round=rnd,
+            state="formed",
+            members=[rec["id"] for rec in chosen],
+            master_addr=chosen[0]["addr"],
+            master_port=chosen[0]["port"],
+            formed_at=time.time(),
+            coordinator=self.node_id,
+            fingerprint=dict(chosen[0].get("fp") or {}),
+            min_nodes=self.s.min_nodes,
+            max_nodes=self.s.max_nodes,
+            hosts=[str(rec.get("host", "")) for rec in chosen],
+        )
+        log.info(
+            "round %d of run %r formed: %d node(s), master %s:%d",
+            rnd,
+            self.run_id,
+            len(chosen),
+            asg.master_addr,
+            asg.master_port,
+        )
+        return self.publish(rnd, asg)

@@ -1,0 +1,215 @@
+"""Keys, JSON records and signatures of the shared rendezvous round.
+
+Layout under ``<job prefix>/rdzv/`` (the agent's job-wide keys live beside it, under the
+job prefix), the same on every coordination store::
+
+    round                 the newest round number anyone joined (compare_set to advance)
+    closed                exists once the rendezvous is closed
+    events                a counter bumped after anything a member's heartbeat thread must
+                          notice (closed, a node lost or refused, a joiner for a next round),
+                          so an idle tick reads one counter instead of every such key
+    hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; at the end "done"
+                          (its workers finished the job) or "left" (it departed)
+    r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
+    r/<n>/join/<slot>     the join record of that slot (JSON, HMAC-signed with a token)
+    r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
+    r/<n>/lost            members of round n found dead or departed (JSON list)
+    r/<n>/progress        while round n forms: who joined, who is missing (the coordinator's,
+                          for the others' waiting lines; ``progress.py``)
+
+Everything is JSON; nothing read from the store is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from elastic.core.interfaces.rendezvous import RendezvousStateError
+
+log = logging.getLogger(__name__)
+
+ROUND = "round"
+CLOSED = "closed"
+EVENTS = "events"
+FINGERPRINT = "fingerprint"  # the first joiner's fingerprint: the job's
+REFUSED_COUNT = "refused/count"  # nodes turned away for a fingerprint mismatch
+
+
+def refused_key(index: int) -> str:
+    return f"refused/{index}"
+
+
+DONE = b"done"  # finished: the job is complete for this node
+LEFT = b"left"  # departed (signalled) while the job goes on: never "done"
+
+
+def new_node_id() -> str:
+    """``host:pid:<48 random bits>``. A round counts its members by id, so two nodes
+    with one id stall it until join_timeout; host and pid can repeat (handlers in one
+    process, containers on the host network), so the random part carries the
+    uniqueness: 24 bits, as before, collided in about 3% of 1024-handler rounds."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
+
+
+def repeated_ids(joined: list[dict[str, Any]]) -> list[str]:
+    """Node ids that more than one of ``joined`` (join records) carry."""
+    counts = Counter(str(r["id"]) for r in joined)
+    return sorted(node_id for node_id, n in counts.items() if n > 1)
+
+
+def hb_key(node_id: str) -> str:
+    return f"hb/{node_id}"
+
+
+def count_key(rnd: int) -> str:
+    return f"r/{rnd}/count"
+
+
+def join_key(rnd: int, slot: int) -> str:
+    return f"r/{rnd}/join/{slot}"
+
+
+def assignment_key(rnd: int) -> str:
+    return f"r/{rnd}/assignment"
+
+
+def lost_key(rnd: int) -> str:
+    return f"r/{rnd}/lost"
+
+
+def progress_key(rnd: int) -> str:
+    return f"r/{rnd}/progress"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def loads(raw: bytes, key: str) -> Any:
+    """Parse a JSON value read from ``key`` (full key name, for the error message)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RendezvousStateError(
+            f"rendezvous state key {key!r} does not hold JSON: {bytes(raw[:60])!r}"
+        ) from None
+
+
+def counter(raw: bytes, key: str) -> int:
+    """A counter's value as ``multi_get`` read it (``b""``: never added to, 0)."""
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise RendezvousStateError(
+            f"rendezvous state key {key!r} is not a counter: {bytes(raw[:60])!r}"
+        ) from None
+
+
+def sign(token: bytes, run_id: str, record: dict[str, Any]) -> str:
+    # The run id is part of the message: a record cannot be replayed into another job.
+    body = dumps({k: v for k, v in record.items() if k != "sig"})
+    return hmac.new(token, f"{run_id}\n{body}".encode(), hashlib.sha256).hexdigest()
+
+
+def signed(token: bytes | None, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
+    if token is not None:
+        record = dict(record, sig=sign(token, run_id, record))
+    return record
+
+
+def verify(token: bytes | None, run_id: str, record: dict[str, Any]) -> bool:
+    if token is None:
+        return True
+    sig = record.get("sig")
+    return isinstance(sig, str) and hmac.compare_digest(sig, sign(token, run_id, record))
+
+
+def valid_join(record: Any, rnd: int) -> bool:
+    """The shape every join record has; anything else is ignored as foreign."""
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("id"), str)
+        and isinstance(record.get("addr"), str)
+        and isinstance(record.get("port"), int)
+        and record.get("round") == rnd
+    )
+
+
+@dataclass
+class Assignment:
+    """One round's published outcome; ``members`` are node ids indexed by node rank."""
+
+    round: int
+    state: str  # "formed", "abandoned" (re-join the next round) or "closed"
+    members: list[str] = field(default_factory=list)
+    master_addr: str = ""
+    master_port: int = 0
+    formed_at: float = 0.0
+    coordinator: str = ""
+    fingerprint: dict[str, str] = field(default_factory=dict)  # rank 0's: the job's
+    min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
+    max_nodes: int = 0
+    hosts: list[str] = field(default_factory=list)  # the members' hostnames, by node rank
+    sig: str | None = None
+
+    def to_json(self, token: bytes | None, run_id: str) -> str:
+        record = {k: v for k, v in asdict(self).items() if k != "sig"}
+        return dumps(signed(token, run_id, record))
+
+    @classmethod
+    def from_json(cls, raw: bytes, key: str, token: bytes | None, run_id: str) -> Assignment:
+        record = loads(raw, key)
+        try:
+            # Fields a newer version added are ignored (the signature covers them all).
+            known = {f.name for f in fields(cls)}
+            if not isinstance(record, dict):
+                raise TypeError
+            asg = cls(**{k: v for k, v in record.items() if k in known})
+        except TypeError:
+            raise RendezvousStateError(
+                f"rendezvous state key {key!r} is not an assignment: {bytes(raw[:60])!r}"
+            ) from None
+        if asg.state == "formed" and not verify(token, run_id, record):
+            raise RendezvousStateError(
+                f"rendezvous state key {key!r} has no valid signature for this job's token"
+            )
+        return asg
+
+
+def choose_members(
+    records: list[dict[str, Any]], prev_members: list[str], max_nodes: int
+) -> list[dict[str, Any]]:
+    """Pick and order this round's members; the result is indexed by node rank.
+
+    Members of the previous round come first, in their old rank order, so the same
+    membership gets the same ranks and a full job keeps its nodes over newcomers; then
+    newcomers by arrival. ``rank_hint`` (``--node-rank``) wins where it is free and fits.
+    """
+    prev_rank = {node: rank for rank, node in enumerate(prev_members)}
+    unique: dict[str, dict[str, Any]] = {}
+    for rec in records:  # a node joins once per round; keep its first record
+        unique.setdefault(rec["id"], rec)
+    ordered = sorted(
+        enumerate(unique.values()),
+        key=lambda item: (item[1]["id"] not in prev_rank, prev_rank.get(item[1]["id"], 0), item[0]),
+    )
+    chosen = [rec for _, rec in ordered][:max_nodes]
+    slots: list[dict[str, Any] | None] = [None] * len(chosen)
+    rest: list[dict[str, Any]] = []
+    for rec in chosen:
+        hint = rec.get("rank_hint")
+        if isinstance(hint, int) and 0 <= hint < len(slots) and slots[hint] is None:
+            slots[hint] = rec
+        else:
+            rest.append(rec)
+    it = iter(rest)
+    return [slot if slot is not None else next(it) for slot in slots]

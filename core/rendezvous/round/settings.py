@@ -1,0 +1,121 @@
+"""The round's ``--rdzv-conf`` keys, parsed and validated once for every backend.
+
+A value outside its range is an error naming the key and the range; nothing is ever
+silently replaced by a default (``join_timeout=0`` used to become 600 in some backends).
+torch's dynamic-rendezvous spellings ``keep_alive_interval``/``keep_alive_max_attempt``
+are accepted as another way to say ``heartbeat_interval``/``heartbeat_timeout``, so a
+torchrun command line works unchanged on any backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousParameters
+
+TOKEN_ENV = "ELASTIC_RDZV_TOKEN"
+
+# Every key the round itself reads; a backend adds its own (connection, hosting) and the
+# union is checked, so a typo such as ``timeout=`` is an error, not silently ignored.
+ROUND_KEYS = (
+    "last_call_timeout",  # s to wait for more nodes once min_nodes have joined (30; 0 = none)
+    "join_timeout",  # s next_rendezvous may take before RendezvousTimeoutError (600)
+    "close_timeout",  # s a hosting agent waits at shutdown for the others (30)
+    "heartbeat_interval",  # s between heartbeats (1)
+    "heartbeat_timeout",  # s without a heartbeat before a member counts as lost (5)
+    "keep_alive_interval",  # torch's name for heartbeat_interval
+    "keep_alive_max_attempt",  # torch's: heartbeat_timeout = interval * this
+    "read_timeout",  # s a single store operation may take (10)
+    "token_file",  # file holding the job token that signs join records (HMAC-SHA256)
+)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float = 30.0
+    join_timeout: float = 600.0
+    close_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    read_timeout: float = 10.0
+    token: bytes | None = None
+    node_rank: int | None = None
+
+
+def _number(params: RendezvousParameters, key: str, default: float, *, zero_ok: bool) -> float:
+    value = params.get_as_float(key, default)
+    assert value is not None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        expected = ">= 0" if zero_ok else "> 0"
+        raise RendezvousConfigError(
+            f"--rdzv-conf {key}={params.get(key)}: expected a number of seconds {expected}"
+        )
+    return value
+
+
+def read_token(path: str | None) -> bytes | None:
+    if path:
+        try:
+            with open(path, "rb") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise RendezvousConfigError(f"--rdzv-conf token_file={path}: {exc}") from None
+        if not token:
+            raise RendezvousConfigError(f"--rdzv-conf token_file={path} is empty")
+        return token
+    env = os.environ.get(TOKEN_ENV, "").strip()
+    return env.encode() if env else None
+
+
+def _liveness(params: RendezvousParameters) -> tuple[float, float]:
+    """(heartbeat_interval, heartbeat_timeout), from our names or torch's, not both."""
+    ours = {"heartbeat_interval", "heartbeat_timeout"} & set(params.config)
+    torch_names = {"keep_alive_interval", "keep_alive_max_attempt"} & set(params.config)
+    if ours and torch_names:
+        raise RendezvousConfigError(
+            f"--rdzv-conf: give {' and '.join(sorted(ours))} or torch's "
+            f"{' and '.join(sorted(torch_names))}, not both"
+        )
+    if torch_names:
+        interval = _number(params, "keep_alive_interval", 1.0, zero_ok=False)
+        attempts = params.get_as_int("keep_alive_max_attempt", 5)
+        assert attempts is not None
+        if attempts < 2:
+            raise RendezvousConfigError(
+                f"--rdzv-conf keep_alive_max_attempt={attempts}: expected an integer >= 2"
+            )
+        return interval, interval * attempts
+    interval = _number(params, "heartbeat_interval", 1.0, zero_ok=False)
+    timeout = _number(params, "heartbeat_timeout", 5.0, zero_ok=False)
+    if timeout < 2 * interval:
+        # One late beat on a loaded machine must not look like a dead node.
+        raise RendezvousConfigError(
+            f"--rdzv-conf heartbeat_timeout={timeout:g} must be at least twice "
+            f"heartbeat_interval={interval:g}"
+        )
+    return interval, timeout
+
+
+def parse_round_settings(
+    params: RendezvousParameters, backend_keys: Sequence[str] = ()
+) -> RoundSettings:
+    """Check every key (the round's and ``backend_keys``) and read the round's."""
+    params.check_keys((*ROUND_KEYS, *backend_keys))
+    interval, timeout = _liveness(params)
+    return RoundSettings(
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        last_call_timeout=_number(params, "last_call_timeout", 30.0, zero_ok=True),
+        join_timeout=_number(params, "join_timeout", 600.0, zero_ok=False),
+        close_timeout=_number(params, "close_timeout", 30.0, zero_ok=True),
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        read_timeout=_number(params, "read_timeout", 10.0, zero_ok=False),
+        token=read_token(params.get("token_file")),
+        node_rank=params.node_rank,
+    )

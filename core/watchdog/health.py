@@ -1,0 +1,229 @@
+"""``--health-port``: the agent's HTTP health endpoint, served from a daemon thread.
+
+- ``GET /healthz``: 200 ``ok`` while the agent process runs (liveness).
+- ``GET /readyz``: 200 while the workers run and make progress; 503 with the reason as
+  the body while waiting for the rendezvous, while a worker is not progressing or has
+  stalled, and while restarting (readiness).
+- ``GET /metrics``: Prometheus text exposition, rendered by ``prometheus-client`` from
+  the agent's own figures at scrape time, plus the agent process's CPU and memory.
+
+Bound when the agent is created, so a port in use is one line (exit status 2) before
+anything starts. ``prometheus-client`` is imported only when the endpoint is on; torch
+never is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from http.server import BaseHTTPRequestHandler
+
+    from elastic.core.watchdog.beats import WorkerProgress
+    from elastic.core.watchdog.file_timer import FileTimerServer
+
+ENV_PORT = "TORCHELASTIC_HEALTH_CHECK_PORT"  # torch's name, read by `elastic run`
+
+
+METRICS = {  # /metrics: name -> (kind, help)
+    "elastic_agent_ready": ("gauge", "1 while /readyz answers 200"),
+    "elastic_workers": ("gauge", "workers running on this node"),
+    "elastic_restart_count": ("gauge", "restarts spent so far (TORCHELASTIC_RESTART_COUNT)"),
+    "elastic_round": ("gauge", "rendezvous round of this node"),
+    "elastic_stalls": ("counter", "stalls this agent reported"),
+    "elastic_stall_timeout_seconds": ("gauge", "--stall-timeout"),
+    "elastic_file_timer_requests": ("counter", "FileTimer requests received"),
+    "elastic_file_timer_expired": ("counter", "expired FileTimers acted on"),
+    "elastic_worker_seconds_since_progress": ("gauge", "seconds since the last progress"),
+    "elastic_worker_heartbeats": ("counter", "elastic.heartbeat() calls"),
+    "elastic_worker_cpu_seconds": ("counter", "CPU seconds of the worker's process tree"),
+}
+
+
+class HealthPortError(ValueError):
+    """The health port cannot be listened on (in use, or not allowed)."""
+
+
+@dataclass
+class Sample:
+    """One metric sample: ``kind`` is ``gauge`` or ``counter`` (name without _total)."""
+
+    name: str
+    kind: str
+    help: str
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Readiness:
+    ready: bool
+    reason: str
+
+
+class _Collector:
+    """Turns the agent's samples into prometheus-client metric families at scrape time."""
+
+    def __init__(self, samples: Callable[[], list[Sample]]) -> None:
+        self._samples = samples
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        families: dict[str, Any] = {}
+        for s in self._samples():
+            family = families.get(s.name)
+            if family is None:
+                kind = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
+                family = families[s.name] = kind(s.name, s.help, labels=sorted(s.labels))
+            family.add_metric([s.labels[k] for k in sorted(s.labels)], s.value)
+        yield from families.values()
+
+
+class HealthServer:
+    """The endpoint. ``readiness()`` and ``samples()`` are called on every request."""
+
+    def __init__(
+        self,
+        port: int,
+        readiness: Callable[[], Readiness],
+        samples: Callable[[], list[Sample]],
+        host: str = "",
+    ) -> None:
+        from http.server import ThreadingHTTPServer
+
+        from prometheus_client import CollectorRegistry, ProcessCollector
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(samples))
+        ProcessCollector(registry=self.registry)
+        self._readiness = readiness
+        handler = _make_handler(self)
+        try:
+            self._server = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise HealthPortError(f"--health-port {port}: cannot listen on it ({reason})") from None
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HealthServer:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
+            )
+            self._thread.name = "elastic-health"
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(timeout=2)
+            self._thread = None
+        with contextlib.suppress(OSError):
+            self._server.server_close()
+
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of ``path``."""
+        text = "text/plain; charset=utf-8"
+        route = path.split("?", 1)[0].rstrip("/") or "/"
+        if route == "/healthz":
+            return 200, text, b"ok\n"
+        if route == "/readyz":
+            state = self._readiness()
+            return (200 if state.ready else 503), text, (state.reason + "\n").encode()
+        if route == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        return 404, text, b"not found: try /healthz, /readyz or /metrics\n"
+
+
+def _make_handler(server: HealthServer) -> type[BaseHTTPRequestHandler]:
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            try:
+                status, ctype, body = server.respond(self.path)
+            except Exception as exc:  # report, never kill the agent's thread
+                status, ctype, body = 500, "text/plain", f"error: {exc!r}\n".encode()
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # probes every few seconds must not flood the agent's stderr
+
+    return Handler
+
+
+class Watched(Protocol):
+    """What the endpoint reads from the agent's watchdog (``core/watchdog/stall.py``)."""
+
+    phase: str  # "running", or what the agent does instead (the 503 body)
+    tracked: dict[int, WorkerProgress]
+    timeout: float | None
+    stalls: int
+    restart_count: int
+    round: int
+    timers: FileTimerServer | None
+
+
+def readiness(w: Watched) -> Readiness:
+    """Ready while running with every worker progressing (with ``--stall-timeout``: no
+    worker idle for half of it); otherwise the phase or the slowest worker is the reason."""
+    phase, tracked = w.phase, list(w.tracked.values())
+    if phase != "running" or not tracked:
+        return Readiness(False, phase)
+    mono = time.monotonic()
+    slowest = max(tracked, key=lambda p: p.idle(mono))
+    idle = slowest.idle(mono)
+    if w.timeout and idle >= w.timeout / 2:
+        return Readiness(
+            False,
+            f"not progressing: worker rank {slowest.rank} made no progress for {idle:.1f}s "
+            f"(--stall-timeout {w.timeout:g})",
+        )
+    return Readiness(True, f"running: {len(tracked)} workers, last progress {idle:.1f}s ago")
+
+
+def samples(w: Watched) -> list[Sample]:
+    mono = time.monotonic()
+    values: dict[str, float] = {
+        "elastic_agent_ready": float(readiness(w).ready),
+        "elastic_workers": len(w.tracked),
+        "elastic_restart_count": w.restart_count,
+        "elastic_round": w.round,
+        "elastic_stalls": w.stalls,
+    }
+    if w.timeout:
+        values["elastic_stall_timeout_seconds"] = w.timeout
+    if w.timers is not None:
+        values["elastic_file_timer_requests"] = w.timers.requests
+        values["elastic_file_timer_expired"] = w.timers.expired
+    out = [Sample(name, *METRICS[name], value) for name, value in values.items()]
+    for p in list(w.tracked.values()):
+        labels = {"local_rank": str(p.local_rank), "rank": str(p.rank)}
+        for name, value in (
+            ("elastic_worker_seconds_since_progress", p.idle(mono)),
+            ("elastic_worker_heartbeats", p.beats),
+            ("elastic_worker_cpu_seconds", p.cpu),
+        ):
+            out.append(Sample(name, *METRICS[name], value, labels))
+    return out
+
+
+def serve(port: int, watched: Watched) -> HealthServer:
+    """The endpoint for an agent's watchdog (bound now, serving once ``start``ed)."""
+    return HealthServer(port, lambda: readiness(watched), lambda: samples(watched))

@@ -1,3 +1,0 @@
-"""Put on the workers' ``PYTHONPATH`` by the agent: ``sitecustomize.py`` runs at every
-worker's interpreter start (see ``elastic.core.stacks``). Nothing else lives here, since
-the whole directory is on the workers' import path."""
