@@ -263,7 +263,7 @@ def test_agent_modules_do_not_import_torch() -> None:
     code = (
         "import sys, elastic.core.agent.loop, elastic.core.rendezvous.local, "
         "elastic.core.workers.logs, "
-        "elastic.core.workers.process, elastic.core.workers.env, elastic.core.agent.job_state; "
+        "elastic.core.workers.process, elastic.core.workers.env, elastic.core.agent.failure; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

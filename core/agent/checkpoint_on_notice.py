@@ -27,12 +27,13 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from elastic.core.interfaces.job_keys import PREEMPT_KEY
 from elastic.core.interfaces.rendezvous import RendezvousError
 from elastic.core.interfaces.store import Store
 from elastic.core.workers.control_file import ControlFile
+from elastic.core.workers.process import WorkerProcess
 
 DEFAULT_GRACE = 25.0
 
@@ -96,10 +97,14 @@ def checkpoint_before_leaving(
     node_id: str,
     world_size: int,
     grace: float,
-    workers_alive: Callable[[], bool],
+    workers: Sequence[WorkerProcess],
 ) -> None:
     """The departing agent's part: announce the notice, then wait (bounded by ``grace``)
-    until every node saved, saying what happened in one line each."""
+    until every node saved, saying what happened in one line each. Only for scripts that
+    use ``elastic.checkpoint_requested()``: the others would never save, so nobody waits
+    for them."""
+    if not workers or grace <= 0 or not coordinator.control.listening():
+        return
     print(
         f"elastic: {signal_name}: preemption notice; the job checkpoints before this node "
         f"leaves (--preemption-grace {grace:g}s)",
@@ -110,7 +115,11 @@ def checkpoint_before_leaving(
         coordinator.announce({"node": node_id, "host": socket.gethostname(), "at": time.time()})
     except RendezvousError:
         return
-    if wait_for_save(coordinator, world_size, grace, workers_alive):
+
+    def alive() -> bool:
+        return all(w.poll() is None for w in workers)
+
+    if wait_for_save(coordinator, world_size, grace, alive):
         print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr, flush=True)
     else:
         print(

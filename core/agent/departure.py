@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from elastic.core.agent.job_state import store_call
+from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces import failures as fail
 from elastic.core.interfaces.job_keys import CLAIM_KEY
 from elastic.core.interfaces.rendezvous import RendezvousHandler

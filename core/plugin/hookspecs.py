@@ -24,6 +24,7 @@ workers, and must not block for long: the agent's monitor loop waits for them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from elastic.core.interfaces.failures import FailureRecord, FailureSummary
     from elastic.core.interfaces.rendezvous import RendezvousInfo
     from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec
+    from elastic.core.interfaces.worker_watch import WorkerHandle, WorkerVerdict
     from elastic.core.plugin.config import ElasticConfig
     from elastic.core.plugin.options import PluginOptionParser
 
@@ -87,6 +89,36 @@ def elastic_rendezvous_complete(info: RendezvousInfo, duration: float) -> None:
 @hookspec
 def elastic_workers_started(group: WorkerGroup) -> None:
     """Called when this node's workers of an attempt have all been started."""
+
+
+@hookspec
+def elastic_worker_process_env(local_rank: int, error_file: str) -> dict[str, str] | None:
+    """Variables for one worker process, added when each attempt starts its workers.
+
+    Called for every local worker at every (re)start, after the rendezvous and before the
+    process starts; ``error_file`` is where torch's error file for that worker goes (a
+    plugin may put its own files beside it). Answers are merged like
+    ``elastic_worker_env``'s and never override torchrun's variables.
+    """
+
+
+@hookspec(firstresult=True)
+def elastic_check_workers(workers: Sequence[WorkerHandle]) -> WorkerVerdict | None:
+    """Called every ``--monitor-interval`` seconds while this node's workers run (the
+    live ones are ``workers``), after the agent found none failed or finished.
+
+    Return a ``WorkerVerdict`` to end the attempt (the built-in stall detector does when
+    workers hang); the first answer wins. Must return within a fraction of a second: the
+    agent's monitor loop waits for it.
+    """
+
+
+@hookspec
+def elastic_annotate_failures(records: list[FailureRecord]) -> None:
+    """Called with this node's failure records of an attempt before they are published
+    job-wide and passed to ``elastic_worker_failed``: add what this plugin learnt (the
+    built-ins add stacks, a stall, an expired FileTimer) to ``record.extra`` or
+    ``record.message``."""
 
 
 @hookspec

@@ -170,6 +170,11 @@ class PluginHost:
         result = getattr(self.pm.hook, hook_name)(**kwargs)
         return list(result or [])
 
+    def call_first(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a ``firstresult`` hook: the first non-None answer, or None."""
+        self.load()
+        return getattr(self.pm.hook, hook_name)(**kwargs)
+
     # The agent's names for ``call``: which hooks are isolated is the hookspecs' decision.
     notify = call
     call_strict = call
@@ -189,8 +194,17 @@ class PluginHost:
 
     def worker_env(self, config: ElasticConfig) -> dict[str, str]:
         """The merged answers of ``elastic_worker_env``; the first plugin called wins."""
+        return self._merged_env("elastic_worker_env", config=config)
+
+    def worker_process_env(self, local_rank: int, error_file: str) -> dict[str, str]:
+        """The merged answers of ``elastic_worker_process_env`` for one worker."""
+        return self._merged_env(
+            "elastic_worker_process_env", local_rank=local_rank, error_file=error_file
+        )
+
+    def _merged_env(self, hook: str, **kwargs: Any) -> dict[str, str]:
         merged: dict[str, str] = {}
-        for env in reversed(self.call("elastic_worker_env", config=config)):
+        for env in reversed(self.call(hook, **kwargs)):
             if isinstance(env, Mapping):
                 merged.update({str(k): str(v) for k, v in env.items()})
         return merged

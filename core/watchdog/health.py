@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.plugin.hookspecs import hookimpl
+
 if TYPE_CHECKING:
     from http.server import BaseHTTPRequestHandler
 
@@ -169,7 +171,7 @@ def _make_handler(server: HealthServer) -> type[BaseHTTPRequestHandler]:
 
 
 class Watched(Protocol):
-    """What the endpoint reads from the agent's watchdog (``core/watchdog/stall.py``)."""
+    """What the endpoint reads from the agent's watchdog (``watch.WorkerWatch``)."""
 
     phase: str  # "running", or what the agent does instead (the 503 body)
     tracked: dict[int, WorkerProgress]
@@ -227,3 +229,19 @@ def samples(w: Watched) -> list[Sample]:
 def serve(port: int, watched: Watched) -> HealthServer:
     """The endpoint for an agent's watchdog (bound now, serving once ``start``ed)."""
     return HealthServer(port, lambda: readiness(watched), lambda: samples(watched))
+
+
+class HealthEndpoint:
+    """The built-in plugin ``health``: the endpoint bound at creation (so a port in use
+    fails before anything starts), served from the agent's start to the end of its run."""
+
+    def __init__(self, watched: Watched, port: int) -> None:
+        self.server = serve(port, watched)
+
+    @hookimpl
+    def elastic_agent_start(self) -> None:
+        self.server.start()
+
+    @hookimpl
+    def elastic_run_end(self) -> None:
+        self.server.stop()

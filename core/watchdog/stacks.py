@@ -26,10 +26,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from elastic.core.workers import boot
+
 DUMP_SIGNAL = signal.SIGURG
 ENV_FILE = "ELASTIC_STACK_FILE"
 ENV_SIGNAL = "ELASTIC_STACK_SIGNAL"
-BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_boot")
+BOOT_DIR = os.path.dirname(os.path.abspath(boot.__file__))  # put first on PYTHONPATH
 DUMP_WAIT = 1.0  # seconds to wait for every worker's dump
 _SETTLE = 0.05  # a dump file that stopped growing for this long is complete
 

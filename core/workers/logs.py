@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from elastic.core.interfaces.failures import FailureRecord
-from elastic.core.interfaces.spec import Worker, WorkerGroup
+from elastic.core.interfaces.spec import Worker, WorkerGroup, WorkerSpec
 from elastic.core.workers.errorfile import failure_time, read_error_file
 from elastic.core.workers.process import CONSOLE, signal_name
 
@@ -77,6 +77,13 @@ class LogLayout:
         elif os.path.isfile(self.log_dir):
             raise NotADirectoryError(f"log_dir: {self.log_dir} is a file")
         os.makedirs(self.log_dir, exist_ok=True)
+
+    @classmethod
+    def for_spec(cls, run_id: str, spec: WorkerSpec, suffix: str | None = None) -> LogLayout:
+        """The layout ``spec`` asks for (``--log-dir``, ``--redirects``, ``--tee``, ...)."""
+        return cls(
+            run_id, spec.log_dir, spec.redirects, spec.tee, spec.local_ranks_filter, suffix=suffix
+        )
 
     def _ensure_run_dir(self) -> str:
         if self.run_dir is None:

@@ -1,0 +1,81 @@
+"""Watching one attempt: the agent's monitor loop, until something ends the attempt.
+
+Each ``monitor_interval`` it polls the workers, asks the plugins (``elastic_check_workers``:
+the stall detector answers here), reads the job-wide flags that ``JobWatch`` caches, and
+every ``MEMBERSHIP_CHECK_INTERVAL`` asks the rendezvous who left and who waits. It reads
+only cached job and membership state, so a partition cannot hold it up: the handler's
+fencing raises instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from elastic.core.agent.job_watch import JobWatch
+from elastic.core.agent.outcome import AttemptEnd, Outcome
+from elastic.core.agent.store_call import store_call
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousHandler
+from elastic.core.interfaces.worker_watch import WorkerVerdict
+from elastic.core.workers.process import WorkerProcess
+
+MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting()/lost_nodes() calls
+
+
+def watch_attempt(
+    workers: Sequence[WorkerProcess],
+    job: JobWatch,
+    *,
+    interval: float,
+    sleep: Callable[[float], None],
+    handler: RendezvousHandler,
+    check_plugins: Callable[[list[WorkerProcess]], WorkerVerdict | None],
+    relay_checkpoint: Callable[[], None] | None,
+) -> AttemptEnd:
+    """Until the attempt ends (``job`` is stopped then); ``sleep`` lets a signal
+    interrupt the wait."""
+    try:
+        return _watch(workers, job, interval, sleep, handler, check_plugins, relay_checkpoint)
+    finally:
+        job.stop()
+
+
+def _watch(
+    workers: Sequence[WorkerProcess],
+    job: JobWatch,
+    interval: float,
+    sleep: Callable[[float], None],
+    handler: RendezvousHandler,
+    check_plugins: Callable[[list[WorkerProcess]], WorkerVerdict | None],
+    relay_checkpoint: Callable[[], None] | None,
+) -> AttemptEnd:
+    next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
+    while True:
+        sleep(interval)
+        now = time.time()
+        codes = {w.local_rank: w.poll() for w in workers}
+        failed = {r: (c, now) for r, c in codes.items() if c is not None and c != 0}
+        if failed:
+            return AttemptEnd(Outcome.FAILED, failed)
+        if all(c == 0 for c in codes.values()):
+            return AttemptEnd(Outcome.SUCCEEDED)
+        verdict = check_plugins([w for w in workers if codes[w.local_rank] is None])
+        if verdict is not None:
+            if verdict.failed:
+                return AttemptEnd(Outcome.FAILED, dict(verdict.failed))
+            return AttemptEnd(Outcome.PEER_FAILED)
+        if job.error is not None:
+            raise RendezvousConnectionError(str(job.error))
+        if job.failed:
+            return AttemptEnd(Outcome.JOB_FAILED)
+        if job.peer_failed:
+            return AttemptEnd(Outcome.PEER_FAILED)
+        if job.checkpoint_requested and relay_checkpoint is not None:
+            store_call(relay_checkpoint)  # a node got a preemption notice
+        mono = time.monotonic()
+        if mono >= next_membership:
+            next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
+            if store_call(handler.lost_nodes):  # raises when we are fenced
+                return AttemptEnd(Outcome.LOST_NODE)
+            if store_call(handler.num_nodes_waiting) > 0:
+                return AttemptEnd(Outcome.MEMBERSHIP)

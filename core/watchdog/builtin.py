@@ -1,0 +1,51 @@
+"""The watchdog's built-in plugins, registered on each agent's plugin host as pytest
+registers its own: through the same hooks as everyone's, whatever
+``ELASTIC_DISABLE_PLUGIN_AUTOLOAD`` says (they are features of ``elastic run``, switched
+by its own flags, not installed extras).
+
+``watchdog`` (the shared ``WorkerWatch``) runs when any of the others does; ``stall``
+with ``--stall-timeout``; ``file-timer`` with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``;
+``health`` with ``--health-port`` (bound here: a port in use raises ``HealthPortError``
+before anything starts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from elastic.core.watchdog import file_timer
+from elastic.core.watchdog.file_timer_plugin import FileTimerWatch
+from elastic.core.watchdog.health import HealthEndpoint
+from elastic.core.watchdog.stall import StallDetector
+from elastic.core.watchdog.watch import WorkerWatch
+
+if TYPE_CHECKING:
+    from elastic.core.interfaces.spec import WorkerSpec
+    from elastic.core.plugin.host import PluginHost
+
+
+def register_builtins(
+    host: PluginHost, spec: WorkerSpec, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """Register the built-ins ``spec`` and the environment ask for; their names."""
+    env = os.environ if environ is None else environ
+    timer_on = env.get(file_timer.ENV_ENABLE) == "1"
+    if not (spec.stall_timeout or spec.health_port is not None or timer_on):
+        return []
+    watch = WorkerWatch(
+        timeout=spec.stall_timeout,
+        dumps=bool(spec.stall_timeout or timer_on),
+        pythonpath=spec.extra_env.get("PYTHONPATH", env.get("PYTHONPATH")),
+    )
+    plugins: list[tuple[str, object]] = [("watchdog", watch)]
+    if spec.health_port is not None:  # first: a port in use must fail before anything runs
+        plugins.append(("health", HealthEndpoint(watch, spec.health_port)))
+    if spec.stall_timeout:
+        plugins.append(("stall", StallDetector(watch, spec.stall_timeout)))
+    if timer_on:
+        plugins.append(("file-timer", FileTimerWatch(watch, env.get(file_timer.ENV_FILE))))
+    for name, plugin in plugins:
+        host.register(plugin, name)
+    return [name for name, _ in plugins]
