@@ -19,7 +19,7 @@ group, so the distribution and its version are gone; its duplicate-name error
 object's ``__qualname__``, not who installed it; an unknown name (``NoMatches``) lists no
 known names. What this loader adds is what ``elastic plugins list`` and our errors need:
 the name and version of every distribution in a conflict, read from metadata with
-neither imported; a record of each plugin that failed to load, with its exception; the
+none imported; a record of each plugin that failed to load, with its exception; the
 known names in the error for an unknown one. It reads ``importlib.metadata`` itself for
 that, after which the one thing left is ``ep.load()``, and serves all three groups.
 """
