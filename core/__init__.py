@@ -3,17 +3,17 @@
 
     launch        LaunchConfig and launch(): from a configuration to a finished run
       agent       the node agent's loop, its endings, departure, preemption, job state
-        watchdog  stalls, progress beats, stacks, the FileTimer server, the health port
+        watchdog    stalls, progress beats, stacks, the FileTimer server, the health port
         rendezvous  the backend registry, standalone, addresses, fingerprints, the round
+        metrics, checkpoint   the metric and checkpointer APIs and their named sinks
           plugin     hook specs, the plugin host, isolation, tracing, entry points,
                      named groups, plugin options, ElasticConfig
           workers    worker processes, signals, logs, environment, error files, boot
           tcpstore   a torch-free client and server for torch's TCPStore protocol
-          metrics, checkpoint   the metric and checkpointer APIs and their named sinks
             interfaces  rendezvous, store, coordination store, worker spec, failure
                         records, the job-wide keys: plain types, no behaviour to speak of
 
-Rooms on one line do not import each other, except where the layer test names it.
+Rooms at one depth do not import each other.
 Nothing in core imports ``elastic.plugins`` (built-ins register through entry points like
 anyone's) or torch.
 

@@ -22,7 +22,11 @@ make it quick (a last call of a second or two, liveness expiry within a few seco
 The cases (each a ``test_*`` method, so ``-k`` selects them): a fixed-size round, min/max
 with the last call, scale-up via ``num_nodes_waiting``, a SIGKILLed node reported by
 ``lost_nodes``, a closed rendezvous, run-id isolation, the job ``Store`` (atomic ``add``
-across nodes, ``compare_set``, ``wait`` timing out) and an unknown ``--rdzv-conf`` key.
+across nodes, ``compare_set``, ``wait`` timing out), unknown and out-of-range
+``--rdzv-conf`` values, ``describe`` (read-only; an unknown job is an error), a refused
+fingerprint, and the membership rules the dynamic backends share (stable ranks, no last
+call after a departure, a departure is not completion). ``RendezvousTarget.not_applicable``
+names the cases a backend skips (a fixed-membership backend has no scale-up).
 Nodes run as threads of the test process, each with its own handler, created in order
 (node 0 first, so a backend whose first handler hosts its server works), except the node
 that gets killed, which runs in a subprocess (``elastic.testing.conformance_node``).

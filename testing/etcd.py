@@ -1,9 +1,9 @@
 """Real etcd servers for tests: one member, a three-member cluster, a TLS member.
 
 Each server listens on free loopback ports with a temporary data directory, serves the v2
-API (``--enable-v2``: both etcd backends speak v2) unless made with ``v2=False``, is
-healthy before a fixture yields it and is SIGKILLed and reaped at teardown. Use from a
-test module with::
+API (``--enable-v2``, which the ``etcd`` and ``etcd-v2`` backends speak) unless made with
+``v2=False``, is healthy before a fixture yields it and is SIGKILLed and reaped at
+teardown. Use from a test module with::
 
     pytest_plugins = ["elastic.testing.etcd"]
 

@@ -57,8 +57,8 @@ class WorkerSpec:
     duplicate_stdout_filters: tuple[str, ...] = ()  # teed lines copied to filtered_stdout.log
     duplicate_stderr_filters: tuple[str, ...] = ()
     stall_timeout: float | None = None  # --stall-timeout: restart a job that stops progressing
-    health_port: int | None = None  # --health-port: /healthz, /readyz, /metrics (core/health)
-    # --preemption-signal/--preemption-grace: a coordinated checkpoint on notice (core/preemption)
+    health_port: int | None = None  # --health-port: /healthz, /readyz, /metrics (watchdog/health)
+    # --preemption-signal/--preemption-grace: a checkpoint on notice (agent/checkpoint_on_notice)
     preemption_signal: str = "SIGTERM"
     preemption_grace: float = 25.0
 

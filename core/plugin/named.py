@@ -11,10 +11,17 @@ a,b``) and ``elastic.checkpoint`` (``--checkpoint NAME:ARG``) all work the same 
 - only the chosen entry point is imported; a failure is recorded (``records``, shown by
   ``elastic plugins list``) and raised as one line naming the distribution.
 
-Why not stevedore's ``DriverManager``: to name both distributions of a conflict we read
-the group's metadata ourselves, and after that the one thing left is ``ep.load()``.
-stevedore would add a second scan, an on-disk cache that goes stale when ``sys.path``
-changes, and a duplicate error that does not say who the duplicates are.
+Why not stevedore's ``DriverManager`` (as of stevedore 5.10): its entry-point cache
+(on disk, keyed on the interpreter, each ``sys.path`` entry and each ``entry_points.txt``
+with their mtimes, so it does see installs) keeps only each entry point's name, value and
+group, so the distribution and its version are gone; its duplicate-name error
+(``MultipleMatches``) comes after importing every duplicate and names each loaded
+object's ``__qualname__``, not who installed it; an unknown name (``NoMatches``) lists no
+known names. What this loader adds is what ``elastic plugins list`` and our errors need:
+the name and version of every distribution in a conflict, read from metadata with
+none imported; a record of each plugin that failed to load, with its exception; the
+known names in the error for an unknown one. It reads ``importlib.metadata`` itself for
+that, after which the one thing left is ``ep.load()``, and serves all three groups.
 """
 
 from __future__ import annotations

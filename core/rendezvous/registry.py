@@ -1,9 +1,12 @@
 """The rendezvous backends: the ``elastic.rendezvous`` group, picked by ``--rdzv-backend``.
 
 A backend's entry point is the factory itself, ``create_handler(params) -> handler``.
-Lookup, conflicts and load failures are ``elastic.core.plugin.named``'s, shared with
-the metrics sinks and checkpointers. ``register_rendezvous_handler`` adds one in-process
-(torch's spelling); it may not take a name an installed distribution claims.
+elastic-launch ships ``c10d``, ``etcd-v3``, ``etcd-v2``, ``etcd`` and ``static``
+(``BUILTIN_BACKENDS``; an unknown one of those names means the package is not installed,
+and the error says so). Lookup, conflicts and load failures are
+``elastic.core.plugin.named``'s, shared with the metrics sinks and checkpointers.
+``register_rendezvous_handler`` adds one in-process (torch's spelling); it may not take a
+name an installed distribution claims.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from elastic.core.interfaces.rendezvous import (
 from elastic.core.plugin.named import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.rendezvous"
-BUILTIN_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+BUILTIN_BACKENDS = ("c10d", "etcd", "etcd-v2", "etcd-v3", "static")
 
 HandlerFactory = Callable[[RendezvousParameters], RendezvousHandler]
 

@@ -1,6 +1,6 @@
 """Python stacks of live workers, without ptrace: ask, read, explain.
 
-The agent puts ``core/worker_boot`` first on each worker's ``PYTHONPATH``; its
+The agent puts ``core/workers/boot`` first on each worker's ``PYTHONPATH``; its
 ``sitecustomize.py`` registers ``faulthandler`` on ``DUMP_SIGNAL`` (``SIGURG``) with a
 per-worker file named in ``ELASTIC_STACK_FILE``. To dump, the agent notes each file's
 size, sends the signal and reads what was appended (faulthandler writes it from the

@@ -1,5 +1,6 @@
-"""Pieces both etcd backends share: node ids, free ports, keep-alive refresh, fingerprints,
-JSON decoding that names the key it failed on."""
+"""Pieces of the legacy ``etcd`` backend, kept apart from its protocol: node ids, the local
+host, keep-alive refresh, fingerprints, JSON decoding that names the key it failed on.
+(``etcd-v2`` and ``etcd-v3`` run the shared round and use none of this.)"""
 
 from __future__ import annotations
 

@@ -6,10 +6,11 @@ node two operations whatever N is: its own heartbeat, and one ``multi_get`` of t
 ``events`` counter with the heartbeats it watches (rank 0 watches every member, every
 other member watches rank 0). Only when ``events`` moved does the tick read ``closed``,
 the next round's counter, this round's ``lost`` list and the refusals. So a round costs
-O(N) operations per interval, never O(N^2); and since one Python store server answers
-them all, the constant matters: an idle tick was seven operations before the counter,
-and 768 handlers in one process saturated the server. The
-agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return
+O(N) operations per interval, never O(N^2). The constant matters as much: one store
+server (for c10d, a Python one) answers every node's ticks, so each operation added to a
+tick is N more requests a second there; that is why the rarely changing keys are read only
+when ``events`` moved (docs/benchmarks.md, "c10d rendezvous at scale", has the numbers).
+The agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return
 cached values and never block on the network.
 
 Liveness compares heartbeat *values*, not clocks: a member is lost when its value has not

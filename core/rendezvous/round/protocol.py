@@ -58,7 +58,7 @@ class RoundProtocol:
         self._abort = abort  # the heartbeat thread's error, if it lost the store
         self.allow_mismatch = allow_mismatch
         self._admitted = False  # our fingerprint matched the job's once; it cannot change
-        # Waiting lines (progress.py): the callback that prints them.
+        # Waiting lines (progress_lines.py): the callback that prints them.
         self.progress: Say | None = None
         self._lines: RoundProgress | None = None
 

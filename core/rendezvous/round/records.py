@@ -15,7 +15,7 @@ job prefix), the same on every coordination store::
     r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
     r/<n>/lost            members of round n found dead or departed (JSON list)
     r/<n>/progress        while round n forms: who joined, who is missing (the coordinator's,
-                          for the others' waiting lines; ``progress.py``)
+                          for the others' waiting lines; ``progress_lines.py``)
 
 Everything is JSON; nothing read from the store is ever unpickled.
 """

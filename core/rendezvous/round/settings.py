@@ -1,7 +1,8 @@
 """The round's ``--rdzv-conf`` keys, parsed and validated once for every backend.
 
 A value outside its range is an error naming the key and the range; nothing is ever
-silently replaced by a default (``join_timeout=0`` used to become 600 in some backends).
+silently replaced by a default: a ``join_timeout=0`` taken as "unset" would run with the
+600 s default instead of telling the user the value is out of range.
 torch's dynamic-rendezvous spellings ``keep_alive_interval``/``keep_alive_max_attempt``
 are accepted as another way to say ``heartbeat_interval``/``heartbeat_timeout``, so a
 torchrun command line works unchanged on any backend.
