@@ -1,4 +1,6 @@
 """The node agent: ``loop`` (rendezvous, start, watch, decide) and the modules it hands
-each decision to: failure handling and restarts, the exit barrier, departures, the
-coordinated checkpoint on a preemption notice, and the job-wide state in the store.
-May import any room below it; never torch."""
+each step to: ``start`` (workers for a round), ``monitor`` (watching an attempt, with
+``job_watch``), ``outcome`` (how an attempt ended), ``failure`` and ``restarts`` (records,
+the restart budget, giving up), ``exit_barrier``, ``departure`` (a failure a leaving node
+caused costs nothing) and ``checkpoint_on_notice`` (preemption). May import any room
+below it; never torch."""
