@@ -45,16 +45,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import (
+from elastic.testing.benchmarking import (
     add_report_options,
     bench_env,
-    free_port,
-    kill_tree,
-    module_launcher,
-    proc_status_kb,
+    command_line,
     sample_stats,
     write_report,
 )
+from elastic.testing.ports import free_port
+from elastic.testing.processes import kill_tree, launcher_cmd, proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "allreduce.py"
@@ -69,7 +68,7 @@ def one_run(
     out_dir = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=work))
     port = free_port()
     cmd = [
-        *module_launcher(impl),
+        *launcher_cmd(impl),
         f"--nnodes={agents}",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
@@ -145,12 +144,6 @@ def one_run(
     return result
 
 
-def summarize(samples: list[float]) -> dict[str, Any]:
-    if not samples:
-        return {"samples": [], "median": None, "min": None, "max": None, "stdev": None}
-    return sample_stats(samples, digits=3)
-
-
 def render(results: dict[str, Any], impls: list[str], failures: dict[str, int]) -> str:
     columns = " ".join(f"{i + ' median [min-max]':>28}" for i in impls)
     head = f"{'metric':<8} {columns} {'ratio':>7}"
@@ -211,15 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     results: dict[str, Any] = {}
     for metric in METRICS:
-        entry: dict[str, Any] = {i: summarize(samples[metric][i]) for i in impls}
+        entry: dict[str, Any] = {i: sample_stats(samples[metric][i], 3) for i in impls}
         entry["unit"] = UNITS.get(metric, "s")
         if {"ours", "torchrun"} <= set(impls) and entry["torchrun"]["median"]:
             ours = entry["ours"]["median"]
             entry["ratio"] = None if ours is None else round(ours / entry["torchrun"]["median"], 3)
         results[metric] = entry
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: module_launcher(i) for i in impls},
+        "command": command_line(),
+        "launchers": {i: launcher_cmd(i) for i in impls},
         "agents": args.agents,
         "repeat": args.repeat,
         "warmup": args.warmup,

@@ -62,7 +62,6 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,21 +72,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common import (
+from elastic.testing.benchmarking import (
     add_report_options,
     bench_env,
-    free_port,
-    kill_tree,
-    listening_pid,
-    mem_available_mb,
-    module_launcher,
-    proc_cpu_seconds,
-    proc_status_kb,
-    raise_nofile,
+    command_line,
     sample_stats,
     wait_for_quiet,
     write_report,
 )
+from elastic.testing.ports import free_port, listening_pid
+from elastic.testing.processes import (
+    kill_tree,
+    launcher_cmd,
+    mem_available_mb,
+    proc_cpu_seconds,
+    proc_status_kb,
+    raise_nofile,
+    sigkill_group,
+)
+from elastic.testing.records import read_records
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "probe.py"
@@ -138,7 +141,7 @@ class Job:
         self.impl, self.nodes = impl, nodes
         self.dir = Path(tempfile.mkdtemp(prefix=f"{impl}-{nodes}-", dir=work))
         self.port = free_port()
-        launcher = module_launcher(impl)
+        launcher = launcher_cmd(impl)
         if count_requests and impl == "ours":
             launcher = [sys.executable, "-c", COUNTING_AGENT, "run"]
             env = {**env, "STORE_COUNT_FILE": str(self.dir / "store-count")}
@@ -198,13 +201,7 @@ class Job:
             return self.nodes - len(self.exits)
 
     def stamps(self) -> list[dict[str, Any]]:
-        found = []
-        for path in self.dir.glob("start-*.json"):
-            try:
-                found.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue  # os.replace makes this rare; the next look sees it whole
-        return found
+        return read_records(self.dir, "start-*.json")
 
     def workers_started(self) -> int:
         return len(list(self.dir.glob("start-*.json")))
@@ -235,12 +232,10 @@ class Job:
             kill_tree(proc.pid)
         for stamp in self.stamps():
             try:
-                os.killpg(int(stamp["pid"]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, KeyError, ValueError):
-                try:
-                    os.kill(int(stamp["pid"]), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, KeyError, ValueError):
-                    pass
+                pid = int(stamp["pid"])
+            except (KeyError, ValueError):
+                continue
+            sigkill_group(pid)
         for thread in self._threads:
             thread.join()
 
@@ -415,7 +410,7 @@ def startup_profile(env: dict[str, str], impls: list[str]) -> dict[str, Any]:
     """One agent's start-up alone: ``--help``'s CPU, and the heaviest imports."""
     out: dict[str, Any] = {}
     for impl in ["python", *impls]:
-        cmd = [sys.executable, "-c", "pass"] if impl == "python" else [*module_launcher(impl)]
+        cmd = [sys.executable, "-c", "pass"] if impl == "python" else [*launcher_cmd(impl)]
         if impl != "python":
             cmd.append("--help")
         cpus, walls = [], []
@@ -450,12 +445,6 @@ def startup_profile(env: dict[str, str], impls: list[str]) -> dict[str, Any]:
             entry["imports_ms"] = {name: round(c / 1000, 1) for c, _, name in top}
         out[impl] = entry
     return out
-
-
-def summarize(samples: list[float]) -> dict[str, Any]:
-    if not samples:
-        return {"samples": [], "median": None, "min": None, "max": None, "stdev": None}
-    return sample_stats(samples, digits=3)
 
 
 def render(scale: dict[str, Any], impls: list[str]) -> str:
@@ -534,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="elastic-agents-scale-"))
     failed_any = False
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: [*module_launcher(i), *args.extra[i]] for i in impls},
+        "command": command_line(),
+        "launchers": {i: [*launcher_cmd(i), *args.extra[i]] for i in impls},
         "quiet_wait": quiet,
     }
 
@@ -589,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         for nodes in node_list:
             scale[nodes] = {
                 impl: {
-                    **{m: summarize(samples[nodes][impl][m]) for m in METRICS},
+                    **{m: sample_stats(samples[nodes][impl][m], 3) for m in METRICS},
                     "failed": len(failures[nodes][impl]),
                 }
                 for impl in impls

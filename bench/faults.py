@@ -35,15 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import in_scratch_dir
+from elastic.testing.benchmarking import in_scratch_dir
 from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import (
-    C10D_PORT,
-    FaultJob,
-    etcd_endpoint,
-    start_etcd,
-    wait_until,
-)
+from elastic.testing.multihost import FaultJob, serve_rendezvous
+from elastic.testing.waits import wait_until
 
 IMPLS = {  # column -> (launcher, backend)
     "torchrun": ("torchrun", "c10d"),
@@ -60,12 +55,7 @@ FORM_TIMEOUT = 120.0
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
     with Cluster(3 if backend == "c10d" else 4) as cluster:
-        nodes = cluster.hosts[:3]
-        if backend != "c10d":
-            start_etcd(cluster.hosts[3:], workdir, v2=backend in ("etcd-v2", "etcd"))
-            endpoint = etcd_endpoint(cluster.hosts[3:])
-        else:
-            endpoint = f"{nodes[0].name}:{C10D_PORT}"
+        nodes, endpoint = serve_rendezvous(cluster, backend, workdir)
         job = FaultJob(
             cluster,
             workdir / "job",
@@ -77,9 +67,7 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
             gloo=True,
             env={"RES_OPTIONS": "timeout:1 attempts:1"},
         )
-        for host in nodes:
-            job.start(host)
-        if not wait_until(lambda: job.running_together(nodes), FORM_TIMEOUT):
+        if not job.start_together(nodes, FORM_TIMEOUT):
             return {"result": "did not form", "logs": job.texts()}
         # Let gloo connect and a few collectives finish before the fault.
         wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)

@@ -29,14 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import (
-    add_report_options,
-    bench_env,
-    kill_tree,
-    module_launcher,
-    sample_stats,
-    write_report,
-)
+from elastic.testing.benchmarking import add_report_options, bench_env, sample_stats, write_report
+from elastic.testing.processes import kill_tree, launcher_cmd
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "hang.py"
@@ -48,7 +42,7 @@ def stamps(out: Path, kind: str) -> list[float]:
 
 def one_run(impl: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"hang-{impl}-"))
-    cmd = [*module_launcher(impl), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    cmd = [*launcher_cmd(impl), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
     if impl == "ours":
         cmd.append(f"--stall-timeout={args.stall_timeout}")
     cmd += [str(WORKER), str(out), str(args.gloo_timeout)]

@@ -32,7 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import add_report_options, bench_env, sample_stats, write_report
+from elastic.testing.benchmarking import (
+    add_report_options,
+    bench_env,
+    command_line,
+    sample_stats,
+    write_report,
+)
+from elastic.testing.processes import proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "workers" / "probe.py"
@@ -77,17 +84,6 @@ def read_stamps(out_dir: Path, kind: str) -> dict[tuple[int, str], float]:
     return stamps
 
 
-def vm_hwm_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return None  # gone, or a zombie (its memory map is already freed)
-
-
 def run_job(
     cmd: list[str], env: dict[str, str], log: Path, sample_rss: bool = False
 ) -> tuple[float, float, int | None]:
@@ -104,7 +100,7 @@ def run_job(
             def sample() -> None:
                 # VmHWM only grows, so the last read before exit is the peak.
                 while proc.poll() is None:
-                    value = vm_hwm_kib(proc.pid)
+                    value = proc_status_kb(proc.pid, "VmHWM")
                     if value is not None:
                         peak[0] = value
                     time.sleep(0.02)
@@ -155,10 +151,6 @@ def measure(scenario: str, impl: str, env: dict[str, str], work: Path) -> float:
             raise BenchError(f"{impl}: could not sample the launcher's VmHWM")
         return peak / 1024
     raise ValueError(scenario)
-
-
-def summarize(samples: list[float]) -> dict[str, Any]:
-    return sample_stats(samples)
 
 
 def render(results: dict[str, Any], impls: list[str]) -> str:
@@ -221,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                     )
     results: dict[str, Any] = {}
     for scenario in scenarios:
-        entry: dict[str, Any] = {i: summarize(samples[scenario][i]) for i in impls}
+        entry: dict[str, Any] = {i: sample_stats(samples[scenario][i]) for i in impls}
         entry["unit"] = UNITS[scenario]
         if {"ours", "torchrun"} <= set(impls):
             entry["ratio"] = round(entry["ours"]["median"] / entry["torchrun"]["median"], 3)
@@ -229,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             entry["met"] = None if entry["target"] is None else entry["ratio"] <= entry["target"]
         results[scenario] = entry
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "launchers": {i: launcher(i) for i in impls},
         "repeat": args.repeat,
         "warmup": args.warmup,

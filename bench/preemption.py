@@ -47,9 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import add_report_options, in_scratch_dir, wait_for_quiet
+from elastic.testing.benchmarking import add_report_options, in_scratch_dir, wait_for_quiet
 from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import last_step, preempt_job, read_events, wait_until
+from elastic.testing.multihost import last_step, preempt_job, read_events
+from elastic.testing.waits import wait_until
 
 IMPLS = {"torchrun": "torchrun (c10d)", "ours": "ours (c10d)"}
 FORM_TIMEOUT = 120.0
@@ -70,9 +71,7 @@ def run_case(impl: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
             launcher=impl,
             env=env,
         )
-        for host in nodes:
-            job.start(host)
-        if not wait_until(lambda: job.running_together(nodes), FORM_TIMEOUT):
+        if not job.start_together(nodes, FORM_TIMEOUT):
             return {"result": "did not form", "logs": job.texts()}
         trained = lambda: last_step(read_events(job.workdir), 3) >= args.at  # noqa: E731
         if not wait_until(trained, 120, interval=0.02):

@@ -41,14 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    add_report_options,
-    bench_env,
-    descendants,
-    kill_tree,
-    module_launcher,
-    write_report,
-)
+from elastic.testing.benchmarking import add_report_options, bench_env, command_line, write_report
+from elastic.testing.processes import descendants, kill_tree, launcher_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_train.py"
@@ -119,7 +113,7 @@ def one_run(
     progress.mkdir()
     ckpt.mkdir()
     cmd = [
-        *module_launcher(impl),
+        *launcher_cmd(impl),
         "--standalone",
         "--nproc-per-node=2",
         f"--max-restarts={args.max_restarts}",
@@ -293,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {i: summarize(runs[i], references[i]["params"]) for i in impls}
     refs_params = [references[i]["params"] for i in impls]
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "launchers": {i: module_launcher(i) for i in impls},
+        "command": command_line(),
+        "launchers": {i: launcher_cmd(i) for i in impls},
         "job": {
             "script": str(SCRIPT.relative_to(ROOT)),
             "steps": args.steps,

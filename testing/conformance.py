@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -62,6 +62,7 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.rendezvous.fingerprint import FIELDS as FINGERPRINT_FIELDS
 from elastic.core.rendezvous.registry import get_rendezvous_handler
+from elastic.testing.waits import wait_for
 
 
 @dataclass
@@ -170,16 +171,6 @@ def rendezvous_all(handlers: list[Any], timeout: float = 30.0) -> list[Rendezvou
     with ThreadPoolExecutor(max_workers=len(handlers)) as pool:
         futures = [pool.submit(h.next_rendezvous) for h in handlers]
         return [f.result(timeout=timeout) for f in futures]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def assert_one_round(infos: list[RendezvousInfo], size: int) -> None:

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -35,14 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from elastic.testing.ports import free_port
 
 ETCD_BINARY = os.environ.get("ELASTIC_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -11,6 +11,9 @@ values: the fault's and the first start record of a later round on every survivo
 
 ``start_etcd(hosts, workdir)`` runs an etcd member on each of ``hosts`` (their own
 addresses, ports 2379/2380) and returns once the cluster answers; it dies with its hosts.
+``serve_rendezvous(cluster, backend, workdir)`` picks the job's hosts and endpoint (etcd on
+the hosts left over), and ``FaultJob.start_together(hosts, timeout)`` starts the agents
+and waits for their first round: the set-up every fault test and bench shares.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elastic.testing.cluster import ETC_NETNS, Cluster, Host
 from elastic.testing.etcd import ETCD_BINARY
+from elastic.testing.processes import launcher_cmd
+from elastic.testing.records import read_records
+from elastic.testing.waits import wait_until
 
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
@@ -97,14 +103,6 @@ else:
 print("WORKER-DONE", rec["host"], flush=True)
 """
 )
-
-
-def launcher_cmd(impl: str) -> list[str]:
-    if impl == "ours":
-        return [sys.executable, "-m", "elastic", "run"]
-    if impl == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run"]
-    raise ValueError(f"launcher must be 'ours' or 'torchrun', got {impl!r}")
 
 
 @dataclass
@@ -178,26 +176,21 @@ class FaultJob:
         self.nodes[host.name] = node = Node(host, proc, log)
         return node
 
+    def start_together(self, hosts: Sequence[Host], timeout: float) -> bool:
+        """Start an agent on each of ``hosts``; whether they run as one round of all of
+        them within ``timeout`` s."""
+        for host in hosts:
+            self.start(host)
+        return wait_until(lambda: self.running_together(hosts), timeout)
+
     def starts(self) -> list[dict[str, Any]]:
         """Every worker start so far, oldest first."""
-        records = []
-        for path in self.workdir.glob("start-*.json"):
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(records, key=lambda r: r["t"])
+        return read_records(self.workdir, "start-*.json")
 
     def stops(self, host: Host) -> list[dict[str, Any]]:
         """When ``host``'s workers were stopped by SIGTERM (their agent's), oldest first;
         not recorded for gloo workers."""
-        records = []
-        for path in self.workdir.glob(f"stopped-{host.name}-*.json"):
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(records, key=lambda r: r["t"])
+        return read_records(self.workdir, f"stopped-{host.name}-*.json")
 
     def progressed_at(self, record: dict[str, Any]) -> float | None:
         """When the (gloo) worker of start ``record`` last finished a collective."""
@@ -250,17 +243,23 @@ def name_mapped_addresses(cluster: Cluster) -> None:
         hosts_file.write_text(text + mapped)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
 def etcd_endpoint(hosts: Sequence[Host]) -> str:
     return ",".join(f"{h.name}:{ETCD_CLIENT_PORT}" for h in hosts)
+
+
+def serve_rendezvous(
+    cluster: Cluster, backend: str, workdir: Path, nodes: int = 3
+) -> tuple[list[Host], str]:
+    """The job's hosts (the first ``nodes`` of ``cluster``) and its ``--rdzv-endpoint``.
+    c10d: the store the agent on the first host hosts. An etcd backend: an etcd member on
+    every other host, started here (serving the v2 API for ``etcd-v2`` and ``etcd``), so
+    a node lost never takes the store with it."""
+    hosts = list(cluster.hosts[:nodes])
+    if backend == "c10d":
+        return hosts, f"{hosts[0].name}:{C10D_PORT}"
+    etcd_hosts = cluster.hosts[nodes:]
+    start_etcd(etcd_hosts, workdir, v2=backend in ("etcd-v2", "etcd"))
+    return hosts, etcd_endpoint(etcd_hosts)
 
 
 def start_etcd(

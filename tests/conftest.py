@@ -1,15 +1,14 @@
 """Fixtures shared by every test module: free ports, running the CLI for real, and
-making sure no process a test started outlives it."""
+making sure no process a test started outlives it. Ports and waits come from
+``elastic.testing`` (``free_port``, ``wait_until``), shared with the bench scripts."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,10 @@ from typing import Any
 import pytest
 from elastic.core.interfaces.spec import WorkerSpec
 from elastic.testing.cluster import cluster_factory  # noqa: F401  (the fixture, for every test)
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until  # noqa: F401  (for the test modules)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -142,12 +137,3 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def wait_until(predicate, timeout: float = 30, interval: float = 0.05) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

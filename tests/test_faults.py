@@ -32,13 +32,7 @@ from typing import Any
 
 import pytest
 from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import (
-    C10D_PORT,
-    FaultJob,
-    etcd_endpoint,
-    start_etcd,
-    wait_until,
-)
+from elastic.testing.multihost import C10D_PORT, FaultJob, serve_rendezvous, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,15 +78,8 @@ class Setup:
 @pytest.fixture
 def start_job(cluster_factory: Make, tmp_path: Path) -> Iterator[Callable[..., Setup]]:
     def start(backend: str, conf: dict[str, Any] | None = None, etcd_members: int = 1) -> Setup:
-        if backend == "c10d":
-            cluster = cluster_factory(3)
-            nodes = list(cluster.hosts)
-            endpoint = f"{nodes[0].name}:{C10D_PORT}"
-        else:
-            cluster = cluster_factory(3 + etcd_members)
-            nodes, etcd_hosts = cluster.hosts[:3], cluster.hosts[3:]
-            start_etcd(etcd_hosts, tmp_path, v2=backend in ("etcd-v2", "etcd"))
-            endpoint = etcd_endpoint(etcd_hosts)
+        cluster = cluster_factory(3 if backend == "c10d" else 3 + etcd_members)
+        nodes, endpoint = serve_rendezvous(cluster, backend, tmp_path)
         conf = dict(conf or {})
         if backend == "etcd" and "heartbeat_timeout" in conf:
             # The legacy protocol's liveness is a keep-alive TTL (refreshed every TTL/3).
@@ -105,9 +92,7 @@ def start_job(cluster_factory: Make, tmp_path: Path) -> Iterator[Callable[..., S
             conf={"last_call_timeout": 1, **conf},
             args=["--max-restarts=0"],
         )
-        for host in nodes:
-            job.start(host)
-        formed = wait_until(lambda: job.running_together(nodes), FORM_TIMEOUT)
+        formed = job.start_together(nodes, FORM_TIMEOUT)
         assert formed, f"the 3-node job did not form\n{job.texts()}"
         return Setup(cluster, job, nodes)
 

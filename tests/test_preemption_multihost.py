@@ -66,9 +66,7 @@ def start_job(cluster: Cluster, workdir: Path, nnodes: str) -> tuple[FaultJob, l
         nnodes=nnodes,
         args=["--max-restarts=0", f"--preemption-grace={GRACE:g}"],
     )
-    for host in nodes:
-        job.start(host)
-    formed = wait_until(lambda: job.running_together(nodes), FORM_TIMEOUT)
+    formed = job.start_together(nodes, FORM_TIMEOUT)
     assert formed, f"the {len(nodes)}-node job did not form\n{job.texts()}"
     world = len(nodes)
     trained = wait_until(lambda: last_step(read_events(job.workdir), world) >= PREEMPT_AT, 60)

@@ -9,13 +9,12 @@ import pytest
 pytest_plugins = ["pytester"]
 
 AUTHOR_TESTS = """
-import socket
-
 import pytest
 from elastic import hookimpl
 from elastic.core.rendezvous.local import LocalRendezvousHandler
 from elastic.core.rendezvous.registry import BACKENDS, register_rendezvous_handler
 from elastic.testing.conformance import RendezvousTarget
+from elastic.testing.ports import free_port
 
 
 class Labeller:
@@ -100,12 +99,6 @@ def test_conformance_finds_a_broken_backend(elastic_conformance):
     assert list(report.failed) == ["test_fixed_size_round"]
     with pytest.raises(AssertionError, match="failed 1 conformance case"):
         report.assert_passed()
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_conformance_of_c10d(elastic_conformance):
