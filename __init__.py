@@ -28,7 +28,7 @@ _LAZY = {
     "checkpoint_requested": "elastic.training.preemption:checkpoint_requested",
     "checkpoint_saved": "elastic.training.preemption:checkpoint_saved",
     # torch's programmatic API (torch.distributed.launcher.api and .elastic)
-    "LaunchConfig": "elastic.core.launch.launcher:LaunchConfig",
+    "LaunchConfig": "elastic.core.launch.config:LaunchConfig",
     "elastic_launch": "elastic.api:elastic_launch",
     "launch_agent": "elastic.api:launch_agent",
     "ChildFailedError": "elastic.api:ChildFailedError",

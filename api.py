@@ -6,7 +6,9 @@ agent: one call runs this node's share of the job and returns ``{global rank: re
 value}`` (None for each rank of a program). A failure raises ``ChildFailedError``
 carrying every failure of this node and the root cause (the earliest). Installed hook
 plugins are loaded as ``elastic run`` loads them; set their options with
-``LaunchConfig(plugin_options={"metrics_sink": "jsonl:/tmp/m.jsonl"})``.
+``LaunchConfig(plugin_options={"metrics_sink": "jsonl:/tmp/m.jsonl"})``. A setting out
+of range (``max_restarts=-1``) is a ValueError naming the field, raised when the
+``LaunchConfig`` is made and again when it is launched.
 
 ``rdzv_backend="c10d", rdzv_endpoint="localhost:0"`` is torch's spelling of a one-node
 job on a free port (``torchrun --standalone``): it runs the standalone rendezvous.
@@ -20,7 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.launch.launcher import LaunchConfig, create_agent, python_exec
+from elastic.core.launch.config import LaunchConfig
+from elastic.core.launch.launcher import create_agent, python_exec
 
 if TYPE_CHECKING:
     from elastic.core.interfaces.failures import FailureRecord

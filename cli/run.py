@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import click
 from elastic.cli.options import (
@@ -21,7 +21,8 @@ from elastic.cli.options import (
     parse_std,
 )
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
-from elastic.core.launch.launcher import LaunchConfig, python_exec, run_script_path
+from elastic.core.launch.config import LaunchConfig, SettingError
+from elastic.core.launch.launcher import python_exec, run_script_path
 from elastic.core.rendezvous.fingerprint import node_fingerprint, parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
@@ -43,44 +44,131 @@ def bad(option: str, message: str) -> click.BadParameter:
     return click.BadParameter(message, param_hint=f"'{option}'")
 
 
-def std_map(value: str, option: str, nproc: int) -> dict[int, int]:
-    try:
-        parsed = parse_std(value, option)
-    except click.BadParameter as exc:
-        raise bad(option, exc.message) from None
-    return {rank: parsed for rank in range(nproc)} if isinstance(parsed, int) else parsed
+def option_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def split_filters(value: str) -> tuple[str, ...]:
     return tuple(f for f in value.split(",") if f)
 
 
-def resolve_rendezvous(
-    opts: dict[str, Any], min_nodes: int, max_nodes: int
-) -> tuple[bool, str, str, dict[str, str]]:
-    """(standalone, backend, endpoint, rdzv_conf) as torchrun would pick them."""
+def shutdown_timeout(value: float | None) -> float:
+    """torch's default: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30 seconds."""
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) if value is None else value
+
+
+class To(NamedTuple):
+    """Where an option's value goes: these ``LaunchConfig`` fields, as ``parse`` makes it
+    (None: as click gives it; a parser for several fields returns one value for each)."""
+
+    fields: tuple[str, ...]
+    parse: Callable[[Any], Any] | None = None
+
+
+def to(*fields: str, parse: Callable[[Any], Any] | None = None) -> To:
+    return To(fields, parse)
+
+
+# The options that map one to one onto the launch, by click's dest. Those whose values
+# decide together are resolved below: the rendezvous (RENDEZVOUS_OPTIONS), the entrypoint
+# and its fingerprint (ENTRYPOINT_OPTIONS), and the two torchrun options we reject.
+OPTIONS: dict[str, To] = {
+    "nnodes": to("min_nodes", "max_nodes", parse=parse_nnodes),
+    "nproc_per_node": to("nproc_per_node", parse=parse_nproc_per_node),
+    "rdzv_id": to("run_id"),
+    "role": to("role"),
+    "max_restarts": to("max_restarts"),
+    "monitor_interval": to("monitor_interval"),
+    "start_method": to("start_method"),
+    "log_dir": to("log_dir"),
+    "redirects": to("redirects", parse=lambda value: parse_std(value, "--redirects")),
+    "tee": to("tee", parse=lambda value: parse_std(value, "--tee")),
+    "local_ranks_filter": to("local_ranks_filter", parse=parse_local_ranks_filter),
+    "local_addr": to("local_addr"),
+    "signals_to_handle": to("signals_to_handle", parse=parse_signals),
+    "shutdown_timeout": to("shutdown_timeout", parse=shutdown_timeout),
+    "virtual_local_rank": to("virtual_local_rank"),
+    "duplicate_stdout_filters": to("duplicate_stdout_filters", parse=split_filters),
+    "duplicate_stderr_filters": to("duplicate_stderr_filters", parse=split_filters),
+    "stall_timeout": to("stall_timeout"),
+    "health_port": to("health_port"),
+    "preemption_signal": to("preemption_signal"),
+    "preemption_grace": to("preemption_grace"),
+    "quiet": to("quiet"),
+}
+RENDEZVOUS_OPTIONS = (
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_conf",
+    "standalone",
+    "master_addr",
+    "master_port",
+    "node_rank",
+)
+ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
+REJECTED_OPTIONS = ("logs_specs", "numa_binding")
+
+
+def mapped_fields(opts: dict[str, Any]) -> dict[str, Any]:
+    """The ``OPTIONS`` part of the launch, each value parsed under its option's name."""
+    values: dict[str, Any] = {}
+    for dest, target in OPTIONS.items():
+        value = opts[dest]
+        if target.parse is not None:
+            try:
+                value = target.parse(value)
+            except click.BadParameter as exc:
+                raise bad(option_name(dest), exc.message) from None
+        values.update(
+            zip(target.fields, value if len(target.fields) > 1 else (value,), strict=True)
+        )
+    return values
+
+
+def option_for(field: str) -> str:
+    """The option that sets a ``LaunchConfig`` field, to name it in an error."""
+    dest = next((d for d, target in OPTIONS.items() if field in target.fields), field)
+    return option_name(dest)
+
+
+def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
+    """The rendezvous fields as torchrun would pick them: standalone, the backend and
+    endpoint, its settings, the fingerprint fields it may ignore and the node rank."""
     try:
         conf = parse_rdzv_conf(opts["rdzv_conf"])
     except click.BadParameter as exc:
         raise bad("--rdzv-conf", exc.message) from None
-    backend, endpoint = opts["rdzv_backend"], opts["rdzv_endpoint"]
+    try:
+        allow_mismatch = parse_allowed(conf.pop("allow_mismatch", None))
+    except ValueError as exc:
+        raise bad("--rdzv-conf", str(exc)) from None
+    backend, endpoint, standalone = opts["rdzv_backend"], opts["rdzv_endpoint"], False
     if opts["standalone"]:
         if max_nodes != 1:
             raise bad("--standalone", f"runs one node, but --nnodes={opts['nnodes']}")
-        return True, "standalone", "", conf
-    if backend == "static":
+        standalone = True
+    elif backend == "static":
         if not endpoint and opts["master_port"] is None and max_nodes == 1:
             # torchrun switches a lone node with nothing configured to a local rendezvous.
-            return True, "standalone", "", conf
-        if not endpoint:
+            standalone = True
+        elif not endpoint:
             port = 29500 if opts["master_port"] is None else opts["master_port"]
             endpoint = f"{opts['master_addr']}:{port}"
-    if endpoint:
+    if standalone:
+        backend, endpoint = "standalone", ""
+    elif endpoint:
         try:
             parse_endpoint(endpoint, None)
         except click.BadParameter as exc:
             raise bad("--rdzv-endpoint", exc.message) from None
-    return False, backend, endpoint, conf
+    return {
+        "standalone": standalone,
+        "rdzv_backend": backend,
+        "rdzv_endpoint": endpoint,
+        "rdzv_configs": conf,
+        "allow_mismatch": allow_mismatch,
+        "node_rank": opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
+    }
 
 
 def entrypoint_for(opts: dict[str, Any]) -> tuple[Any, tuple[str, ...]]:
@@ -108,112 +196,53 @@ def check_script(opts: dict[str, Any]) -> None:
         raise bad("training_script", f"{script!r} does not exist; give the path of a Python script")
 
 
-def build_config(
-    opts: dict[str, Any], plugin_options: dict[str, Any] | None = None
-) -> tuple[LaunchConfig, Any, tuple[str, ...], HandlerFactory | None]:
-    """The launch, its entrypoint and arguments, and the backend's factory (resolved once
-    here, so a bad name fails before anything starts, and reused by the launcher)."""
-    try:
-        min_nodes, max_nodes = parse_nnodes(opts["nnodes"])
-    except click.BadParameter as exc:
-        raise bad("--nnodes", exc.message) from None
-    try:
-        nproc = parse_nproc_per_node(opts["nproc_per_node"])
-    except click.BadParameter as exc:
-        raise bad("--nproc-per-node", exc.message) from None
-    if opts["max_restarts"] < 0:
-        raise bad("--max-restarts", f"{opts['max_restarts']} is negative; expected 0 or more")
-    if opts["monitor_interval"] <= 0:
-        raise bad("--monitor-interval", "expected a positive number of seconds")
-    if opts["stall_timeout"] is not None and not opts["stall_timeout"] > 0:
-        raise bad("--stall-timeout", "expected a positive number of seconds")
-    if opts["health_port"] is not None and not 1 <= opts["health_port"] <= 65535:
-        raise bad("--health-port", f"{opts['health_port']} is not a port; expected 1..65535")
-    if not opts["preemption_grace"] >= 0:
-        raise bad("--preemption-grace", "expected a number of seconds >= 0 (0: leave at once)")
-    preemption_signal = opts["preemption_signal"].strip().upper()
-    if not preemption_signal.startswith("SIG"):
-        preemption_signal = "SIG" + preemption_signal
-    if not hasattr(signal, preemption_signal):
-        raise bad("--preemption-signal", f"{opts['preemption_signal']!r} is not a signal name")
-    standalone, backend, endpoint, conf = resolve_rendezvous(opts, min_nodes, max_nodes)
-    factory = None
-    if not standalone:
-        from elastic.core.rendezvous.registry import BackendNotFoundError, get_backend_factory
-
-        try:
-            factory = get_backend_factory(backend)
-        except BackendNotFoundError as exc:
-            raise bad("--rdzv-backend", str(exc)) from None
-    check_script(opts)
-    entrypoint, args = entrypoint_for(opts)
-    try:
-        ranks_filter = parse_local_ranks_filter(opts["local_ranks_filter"])
-        signals = parse_signals(opts["signals_to_handle"])
-    except click.BadParameter as exc:
-        raise bad("--local-ranks-filter/--signals-to-handle", exc.message) from None
-    if preemption_signal not in signals:  # the notice must reach the agent, not kill it
-        signals = (*signals, preemption_signal)
-
-    try:
-        allow_mismatch = parse_allowed(conf.pop("allow_mismatch", None))
-    except ValueError as exc:
-        raise bad("--rdzv-conf", str(exc)) from None
+def fingerprint_for(opts: dict[str, Any], nproc: int, max_restarts: int) -> dict[str, str]:
     script = opts["training_script"]
-    fingerprint = node_fingerprint(
+    return node_fingerprint(
         nproc_per_node=nproc,
         entrypoint=("-m " if opts["module"] else "") + script,
         script=None if opts["module"] or opts["no_python"] else script,
-        max_restarts=opts["max_restarts"],
+        max_restarts=max_restarts,
     )
 
+
+def check_rejected(opts: dict[str, Any]) -> None:
     if opts["logs_specs"] not in (None, "", "default"):
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
     if opts["numa_binding"]:
         raise bad("--numa-binding", "NUMA binding is not provided; run under numactl instead")
 
-    extra_env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        log.warning(OMP_WARNING)
-        extra_env["OMP_NUM_THREADS"] = "1"
-    shutdown_timeout = opts["shutdown_timeout"]
-    if shutdown_timeout is None:
-        shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
 
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        run_id=opts["rdzv_id"],
-        role=opts["role"],
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs=conf,
-        standalone=standalone,
-        max_restarts=opts["max_restarts"],
-        monitor_interval=opts["monitor_interval"],
-        start_method=opts["start_method"],
-        log_dir=opts["log_dir"],
-        redirects=std_map(opts["redirects"], "--redirects", nproc),
-        tee=std_map(opts["tee"], "--tee", nproc),
-        local_ranks_filter=ranks_filter,
-        local_addr=opts["local_addr"],
-        node_rank=opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
-        signals_to_handle=signals,
-        shutdown_timeout=shutdown_timeout,
-        extra_env=extra_env,
-        fingerprint=fingerprint,
-        allow_mismatch=allow_mismatch,
-        virtual_local_rank=opts["virtual_local_rank"],
-        duplicate_stdout_filters=split_filters(opts["duplicate_stdout_filters"]),
-        duplicate_stderr_filters=split_filters(opts["duplicate_stderr_filters"]),
-        plugin_options=dict(plugin_options or {}),
-        stall_timeout=opts["stall_timeout"],
-        health_port=opts["health_port"],
-        preemption_signal=preemption_signal,
-        preemption_grace=opts["preemption_grace"],
-        quiet=opts["quiet"],
-    )
+def build_config(
+    opts: dict[str, Any], plugin_options: dict[str, Any] | None = None
+) -> tuple[LaunchConfig, Any, tuple[str, ...], HandlerFactory | None]:
+    """The launch, its entrypoint and arguments, and the backend's factory (resolved once
+    here, so a bad name fails before anything starts, and reused by the launcher)."""
+    fields = mapped_fields(opts)
+    fields.update(resolve_rendezvous(opts, fields["max_nodes"]))
+    check_script(opts)
+    entrypoint, args = entrypoint_for(opts)
+    check_rejected(opts)
+    fields["fingerprint"] = fingerprint_for(opts, fields["nproc_per_node"], fields["max_restarts"])
+    omp = "OMP_NUM_THREADS" not in os.environ and fields["nproc_per_node"] > 1
+    fields["extra_env"] = {"OMP_NUM_THREADS": "1"} if omp else {}
+    try:
+        config = LaunchConfig(**fields, plugin_options=dict(plugin_options or {}))
+    except SettingError as exc:
+        raise bad(option_for(exc.field), exc.reason) from None
+    if config.preemption_signal not in config.signals_to_handle:
+        # the notice must reach the agent, not kill it
+        config.signals_to_handle = (*config.signals_to_handle, config.preemption_signal)
+    factory = None
+    if not config.standalone:
+        from elastic.core.rendezvous.registry import BackendNotFoundError, get_backend_factory
+
+        try:
+            factory = get_backend_factory(config.rdzv_backend)
+        except BackendNotFoundError as exc:
+            raise bad("--rdzv-backend", str(exc)) from None
+    if omp:
+        log.warning(OMP_WARNING)
     return config, entrypoint, args, factory
 
 

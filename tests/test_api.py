@@ -133,6 +133,16 @@ def test_torch_spellings_in_launch_config() -> None:
         launch_config_for(LaunchConfig(1, 2, 1, rdzv_backend="c10d", rdzv_endpoint="h:0"))
 
 
+def test_a_setting_out_of_range_is_a_value_error_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^max_restarts: -1 is negative; expected 0 or more$"):
+        LaunchConfig(1, 1, 1, max_restarts=-1)
+    assert LaunchConfig(1, 1, 1, preemption_signal="usr1").preemption_signal == "SIGUSR1"
+    config = one_node()
+    config.monitor_interval = 0  # changed after it was made: checked again at launch
+    with pytest.raises(ValueError, match="^monitor_interval: expected a positive number"):
+        elastic_launch(config, train_loop)()
+
+
 def test_unknown_plugin_option_is_named() -> None:
     with pytest.raises(ValueError, match=r"unknown plugin option\(s\) eror_summary; known: "):
         elastic_launch(one_node(plugin_options={"eror_summary": "x"}), train_loop)()

@@ -62,6 +62,25 @@ def test_unknown_option_is_not_taken_for_the_script(script: Path) -> None:
     assert "no such option: --bogus" in result.stderr
 
 
+def test_every_run_option_reaches_the_launch() -> None:
+    """An option left out of run's table would be parsed and then silently dropped."""
+    from dataclasses import fields
+
+    from elastic.cli.run import (
+        ENTRYPOINT_OPTIONS,
+        OPTIONS,
+        REJECTED_OPTIONS,
+        RENDEZVOUS_OPTIONS,
+        run_command,
+    )
+    from elastic.core.launch.config import LaunchConfig
+
+    handled = {*OPTIONS, *RENDEZVOUS_OPTIONS, *ENTRYPOINT_OPTIONS, *REJECTED_OPTIONS}
+    assert {p.name for p in run_command.params} == handled
+    targets = {name for to in OPTIONS.values() for name in to.fields}
+    assert targets <= {f.name for f in fields(LaunchConfig)}
+
+
 def test_version() -> None:
     result = run_elastic("--version", timeout=30)
     assert result.returncode == 0

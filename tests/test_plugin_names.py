@@ -69,7 +69,8 @@ def test_in_process_registration_never_shadows_an_installed_name() -> None:
 
 
 def test_the_launcher_reuses_the_factory_it_is_given() -> None:
-    from elastic.core.launch.launcher import LaunchConfig, create_handler
+    from elastic.core.launch.config import LaunchConfig
+    from elastic.core.launch.launcher import create_handler
     from elastic.core.rendezvous.local import LocalRendezvousHandler
 
     made: list[Any] = []

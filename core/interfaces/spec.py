@@ -27,6 +27,40 @@ class WorkerState(str, enum.Enum):
         return state in {WorkerState.HEALTHY, WorkerState.UNHEALTHY}
 
 
+class SettingError(ValueError):
+    """A launch setting out of range. ``field`` names it as the configuration spells it
+    and the message says what would be right: ``elastic run`` shows ``reason`` under the
+    option's name (one line, exit 2), the Python API raises it as the ValueError it is."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+# The ranges a worker spec and a launch configuration share, stated once: name -> (is it
+# in range, what would be right). ``nproc_per_node`` is the launch's ``local_world_size``.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "local_world_size": (lambda v: v >= 1, "{value} workers per node; expected 1 or more"),
+    "nproc_per_node": (lambda v: v >= 1, "{value} workers per node; expected 1 or more"),
+    "max_restarts": (lambda v: v >= 0, "{value} is negative; expected 0 or more"),
+    "monitor_interval": (lambda v: v > 0, "expected a positive number of seconds"),
+    "stall_timeout": (lambda v: v is None or v > 0, "expected a positive number of seconds"),
+    "preemption_grace": (
+        lambda v: v >= 0,
+        "expected a number of seconds >= 0 (0: leave at once)",
+    ),
+}
+
+
+def check_settings(**settings: Any) -> None:
+    """Raise ``SettingError`` for the first setting outside its range in ``RANGES``."""
+    for name, value in settings.items():
+        in_range, expected = RANGES[name]
+        if not in_range(value):
+            raise SettingError(name, expected.format(value=value))
+
+
 @dataclass
 class WorkerSpec:
     """Everything needed to start one node's workers, the same on every attempt.
@@ -63,16 +97,13 @@ class WorkerSpec:
     preemption_grace: float = 25.0
 
     def __post_init__(self) -> None:
-        if self.local_world_size <= 0:
-            raise ValueError(f"local_world_size must be positive, got {self.local_world_size}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.monitor_interval <= 0:
-            raise ValueError(f"monitor_interval must be positive, got {self.monitor_interval}")
-        if not self.preemption_grace >= 0:
-            raise ValueError(f"preemption_grace must be >= 0, got {self.preemption_grace}")
-        if self.stall_timeout is not None and self.stall_timeout <= 0:
-            raise ValueError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        check_settings(
+            local_world_size=self.local_world_size,
+            max_restarts=self.max_restarts,
+            monitor_interval=self.monitor_interval,
+            preemption_grace=self.preemption_grace,
+            stall_timeout=self.stall_timeout,
+        )
 
 
 @dataclass
