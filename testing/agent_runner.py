@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.core.interfaces.spec import RunResult, WorkerSpec
-from elastic.core.launch.launcher import LaunchConfig, create_agent
+from elastic.core.launch.config import LaunchConfig
+from elastic.core.launch.launcher import create_agent
 from elastic.core.plugin.config import ElasticConfig
 from elastic.core.plugin.host import PluginHost
 from elastic.core.plugin.trace import call_order

@@ -1,8 +1,5 @@
 """From a launch configuration to a finished run: pick the rendezvous, build the
-worker spec, run the agent. The programmatic twin of ``elastic run``.
-
-``LaunchConfig`` lives in ``elastic.core.launch.config``; it is importable from here too
-because test harnesses outside core (``elastic.testing``) name it by this path."""
+worker spec, run the agent. The programmatic twin of ``elastic run``."""
 
 from __future__ import annotations
 
