@@ -35,47 +35,35 @@ def watch_attempt(
     """Until the attempt ends (``job`` is stopped then); ``sleep`` lets a signal
     interrupt the wait."""
     try:
-        return _watch(workers, job, interval, sleep, handler, check_plugins, relay_checkpoint)
+        next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
+        while True:
+            sleep(interval)
+            now = time.time()
+            codes = {w.local_rank: w.poll() for w in workers}
+            failed = {r: (c, now) for r, c in codes.items() if c is not None and c != 0}
+            if failed:
+                return AttemptEnd(Outcome.FAILED, failed)
+            if all(c == 0 for c in codes.values()):
+                return AttemptEnd(Outcome.SUCCEEDED)
+            verdict = check_plugins([w for w in workers if codes[w.local_rank] is None])
+            if verdict is not None:
+                if verdict.failed:
+                    return AttemptEnd(Outcome.FAILED, dict(verdict.failed))
+                return AttemptEnd(Outcome.PEER_FAILED)
+            if job.error is not None:
+                raise RendezvousConnectionError(str(job.error))
+            if job.failed:
+                return AttemptEnd(Outcome.JOB_FAILED)
+            if job.peer_failed:
+                return AttemptEnd(Outcome.PEER_FAILED)
+            if job.checkpoint_requested and relay_checkpoint is not None:
+                store_call(relay_checkpoint)  # a node got a preemption notice
+            mono = time.monotonic()
+            if mono >= next_membership:
+                next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
+                if store_call(handler.lost_nodes):  # raises when we are fenced
+                    return AttemptEnd(Outcome.LOST_NODE)
+                if store_call(handler.num_nodes_waiting) > 0:
+                    return AttemptEnd(Outcome.MEMBERSHIP)
     finally:
         job.stop()
-
-
-def _watch(
-    workers: Sequence[WorkerProcess],
-    job: JobWatch,
-    interval: float,
-    sleep: Callable[[float], None],
-    handler: RendezvousHandler,
-    check_plugins: Callable[[list[WorkerProcess]], WorkerVerdict | None],
-    relay_checkpoint: Callable[[], None] | None,
-) -> AttemptEnd:
-    next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
-    while True:
-        sleep(interval)
-        now = time.time()
-        codes = {w.local_rank: w.poll() for w in workers}
-        failed = {r: (c, now) for r, c in codes.items() if c is not None and c != 0}
-        if failed:
-            return AttemptEnd(Outcome.FAILED, failed)
-        if all(c == 0 for c in codes.values()):
-            return AttemptEnd(Outcome.SUCCEEDED)
-        verdict = check_plugins([w for w in workers if codes[w.local_rank] is None])
-        if verdict is not None:
-            if verdict.failed:
-                return AttemptEnd(Outcome.FAILED, dict(verdict.failed))
-            return AttemptEnd(Outcome.PEER_FAILED)
-        if job.error is not None:
-            raise RendezvousConnectionError(str(job.error))
-        if job.failed:
-            return AttemptEnd(Outcome.JOB_FAILED)
-        if job.peer_failed:
-            return AttemptEnd(Outcome.PEER_FAILED)
-        if job.checkpoint_requested and relay_checkpoint is not None:
-            store_call(relay_checkpoint)  # a node got a preemption notice
-        mono = time.monotonic()
-        if mono >= next_membership:
-            next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
-            if store_call(handler.lost_nodes):  # raises when we are fenced
-                return AttemptEnd(Outcome.LOST_NODE)
-            if store_call(handler.num_nodes_waiting) > 0:
-                return AttemptEnd(Outcome.MEMBERSHIP)
