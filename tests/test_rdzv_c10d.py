@@ -506,3 +506,49 @@ def test_describe_from_a_read_only_handler(make: Make, port: int) -> None:
     assert [m.node_id for m in status.members] == infos[0].members
     with pytest.raises(Exception):  # noqa: B017 - read-only handlers never join
         viewer.next_rendezvous()
+
+
+def test_a_second_departure_during_the_regroup_is_not_waited_for(make: Make) -> None:
+    """B leaves while the survivors of A's departure regroup: the coordinator reads the
+    last round's lost list again when ``events`` moves, so nobody waits for B's last
+    call (30 s here)."""
+    handlers = [make(2, 5, last_call_timeout="30") for _ in range(5)]
+    infos = rendezvous_all(handlers)
+    check_round(infos, 5)
+    a, b = [h for h in handlers if not h.is_hosting][:2]
+    rest = [h for h in handlers if h not in (a, b)]
+    started = time.monotonic()
+    a.leave()
+    with ThreadPoolExecutor(len(rest)) as pool:
+        futures = [pool.submit(h.next_rendezvous) for h in rest]
+        time.sleep(0.5)
+        b.leave()
+        again = [f.result(timeout=20) for f in futures]
+    check_round(again, 3)
+    assert not {a.node_id, b.node_id} & set(again[0].members)
+    assert time.monotonic() - started < 5
+
+
+def test_a_joiner_that_leaves_before_the_round_forms_is_not_a_member(
+    make: Make, port: int
+) -> None:
+    """A newcomer joined the regroup, then left (its heartbeat says so) before the round
+    formed: the round forms without it instead of with a member that is already gone."""
+    handlers = [make(2, 3, last_call_timeout="30") for _ in range(3)]  # no last call at first
+    infos = rendezvous_all(handlers)
+    check_round(infos, 3)
+    a = next(h for h in handlers if not h.is_hosting)
+    first, second = [h for h in handlers if h is not a]
+    a.leave()
+    with ThreadPoolExecutor(2) as pool:
+        coordinating = pool.submit(first.next_rendezvous)  # slot 1: the coordinator
+        time.sleep(0.3)
+        rnd = infos[0].round + 1
+        ghost = {"id": "ghost:1:x", "host": "ghost", "addr": "198.18.0.99", "port": 1}
+        forge_join(port, "job", rnd, {**ghost, "round": rnd})
+        raw_client(port).set(f"elastic/job/rdzv/{R.hb_key('ghost:1:x')}", "left")
+        time.sleep(0.3)  # first and the ghost: min_nodes, but second is still expected
+        joining = pool.submit(second.next_rendezvous)
+        again = [coordinating.result(timeout=20), joining.result(timeout=20)]
+    check_round(again, 2)
+    assert "ghost:1:x" not in again[0].members

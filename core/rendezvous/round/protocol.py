@@ -272,6 +272,16 @@ class RoundProtocol:
         assert asg is not None
         return asg
 
+    def _counters(self, rnd: int) -> tuple[int, int]:
+        """(join slots taken in round ``rnd``, the ``events`` counter), in one read."""
+        raw_count, raw_events = self.store.multi_get([R.count_key(rnd), R.EVENTS])
+        return _counter(raw_count), _counter(raw_events)
+
+    def _still_here(self, joined: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The joiners whose heartbeat does not say they left (or finished) since."""
+        beats = self.store.multi_get([R.hb_key(str(rec["id"])) for rec in joined])
+        return [rec for rec, beat in zip(joined, beats, strict=True) if beat not in R.GONE]
+
     def last_formed(self, rnd: int) -> R.Assignment | None:
         """The newest formed round at or before ``rnd`` (abandoned ones are skipped)."""
         for back in range(rnd, max(-1, rnd - 5), -1):
@@ -284,16 +294,20 @@ class RoundProtocol:
         prev = self.last_formed(rnd - 1)
         prev_members = prev.members if prev is not None else []
         # Survivors of the last round we are waiting for; once all are here there is
-        # nobody known to wait for, so the last call is skipped (fast re-forming).
-        lost = self.read_lost(prev.round) if prev is not None else []
-        expected = set(prev_members) - set(lost)
+        # nobody known to wait for, so the last call is skipped (fast re-forming). A
+        # member that departs meanwhile is added to the last round's lost list and bumps
+        # ``events``: the list is read again whenever ``events`` moved.
+        expected: set[str] = set(prev_members)
         joined: list[dict[str, Any]] = []
-        seen, min_at, pause, clashed = 0, None, 0.002, False
+        seen, events, min_at, pause, clashed = 0, -1, None, 0.002, False
         while True:
             if self.is_closed():
                 self.publish(rnd, R.Assignment(round=rnd, state="closed"))
                 self._raise_if_closed()
-            count = self.store.add(R.count_key(rnd), 0)
+            count, now_events = self._counters(rnd)  # one read: the slots and events
+            if now_events != events and prev is not None:
+                events = now_events
+                expected = set(prev_members) - set(self.read_lost(prev.round))
             if count > seen:
                 joined += self._read_slots(rnd, seen + 1, count)
                 seen = count
@@ -307,12 +321,18 @@ class RoundProtocol:
             if self._lines is not None:
                 self._lines.coordinating(self.store, rnd, joined, prev)
             now = time.monotonic()
-            if len(ids) >= self.s.max_nodes:
-                break
+            ready = len(ids) >= self.s.max_nodes
             if len(ids) >= self.s.min_nodes:
                 min_at = now if min_at is None else min_at
                 if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
+                    ready = True
+            if ready:
+                here = self._still_here(joined)
+                if len(here) == len(joined):
                     break
+                joined = here  # a joiner left before the round formed: never a member
+                min_at = None if len({r["id"] for r in here}) < self.s.min_nodes else min_at
+                continue
             if now >= deadline:
                 self.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
                 raise self._timeout(f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined")
@@ -341,3 +361,11 @@ class RoundProtocol:
             asg.master_port,
         )
         return self.publish(rnd, asg)
+
+
+def _counter(raw: bytes) -> int:
+    """A counter read raw (``add`` keeps decimal text); missing or garbled reads as 0."""
+    try:
+        return int(raw or b"0")
+    except ValueError:
+        return 0

@@ -50,6 +50,7 @@ def refused_key(index: int) -> str:
 
 DONE = b"done"  # finished: the job is complete for this node
 LEFT = b"left"  # departed (signalled) while the job goes on: never "done"
+GONE = frozenset({DONE, LEFT})  # a heartbeat that says its node will not train again
 
 
 def new_node_id() -> str:
