@@ -529,9 +529,7 @@ def test_a_second_departure_during_the_regroup_is_not_waited_for(make: Make) -> 
     assert time.monotonic() - started < 5
 
 
-def test_a_joiner_that_leaves_before_the_round_forms_is_not_a_member(
-    make: Make, port: int
-) -> None:
+def test_a_joiner_that_leaves_before_the_round_forms_is_not_a_member(make: Make, port: int) -> None:
     """A newcomer joined the regroup, then left (its heartbeat says so) before the round
     formed: the round forms without it instead of with a member that is already gone."""
     handlers = [make(2, 3, last_call_timeout="30") for _ in range(3)]  # no last call at first
