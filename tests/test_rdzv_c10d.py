@@ -550,3 +550,51 @@ def test_a_joiner_that_leaves_before_the_round_forms_is_not_a_member(make: Make,
         again = [coordinating.result(timeout=20), joining.result(timeout=20)]
     check_round(again, 2)
     assert "ghost:1:x" not in again[0].members
+
+
+def kill_presence(handler: C10dRendezvousHandler) -> None:
+    """What the kernel does when the agent's process dies: its presence connections
+    close without a goodbye, and its port stops answering."""
+    server = handler._presence
+    assert server is not None
+    server._stop.set()
+    server._thread.join(timeout=5)
+    for conn in list(server._conns.values()):
+        conn.sock.close()
+    server._sock.close()
+    if handler._monitor is not None and handler._monitor._client is not None:
+        sock = handler._monitor._client._sock
+        handler._monitor._client._stop.set()
+        if sock is not None:  # shutdown: a close alone waits for the blocked recv
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+@pytest.mark.parametrize("who", ["member", "rank 0"])
+def test_a_dead_process_is_lost_at_once_not_after_heartbeat_timeout(make: Make, who: str) -> None:
+    handlers = [make(2, 3, heartbeat_timeout="30") for _ in range(3)]
+    infos = rendezvous_all(handlers)
+    check_round(infos, 3)
+    rank = {h: i.rank for h, i in zip(handlers, infos, strict=True)}
+    victim = next(h for h in handlers if (rank[h] == 0) == (who == "rank 0"))
+    others = [h for h in handlers if h is not victim]
+    time.sleep(0.5)  # every member is connected to rank 0
+    victim._suspend_heartbeats()
+    started = time.monotonic()
+    kill_presence(victim)
+    assert wait_until(lambda: all(victim.node_id in h.lost_nodes() for h in others), 10)
+    assert time.monotonic() - started < 2.5  # heartbeat_timeout is 30 s
+
+
+def test_a_presence_connection_that_comes_back_is_not_a_death(make: Make) -> None:
+    handlers = [make(2, 3, heartbeat_timeout="30") for _ in range(3)]
+    infos = rendezvous_all(handlers)
+    members = [h for h, i in zip(handlers, infos, strict=True) if i.rank > 0]
+    time.sleep(0.5)
+    for h in members:  # a blip: the connection closes under a live client
+        assert h._monitor is not None and h._monitor._client is not None
+        sock = h._monitor._client._sock
+        assert sock is not None
+        sock.shutdown(socket.SHUT_RDWR)
+    time.sleep(2.0)  # four times the grace
+    assert all(h.lost_nodes() == [] for h in handlers)

@@ -81,6 +81,7 @@ def job(procs: Processes, port: int, tmp_path: Path):  # noqa: ANN201
         nproc: int = 1,
         extra_env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        conf: str = CONF,
     ) -> Agent:
         env = dict(
             os.environ,
@@ -96,7 +97,7 @@ def job(procs: Processes, port: int, tmp_path: Path):  # noqa: ANN201
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=e2e",
-            f"--rdzv-conf={CONF}",
+            f"--rdzv-conf={conf}",
             "--monitor-interval=0.1",
             *args,
             str(script),
@@ -161,6 +162,28 @@ def test_scale_up_then_down_on_sigkill(job) -> None:  # noqa: ANN001
     ), host.text()
     assert time.monotonic() - killed < 20
     finish(both, job.stop)
+
+
+def test_a_killed_agent_is_seen_at_once_not_after_heartbeat_timeout(job) -> None:  # noqa: ANN001
+    """Its kernel closes its connection to rank 0's presence port: the survivors regroup
+    in seconds although heartbeat_timeout is 30 s."""
+    slow = CONF.replace("heartbeat_timeout=2.5", "heartbeat_timeout=30")
+    trio = [job.host("2:3", conf=slow), job("2:3", conf=slow), job("2:3", conf=slow)]
+    assert wait_until(lambda: all(any(r[1] == 3 for r in a.results()) for a in trio), 60), "".join(
+        a.text() for a in trio
+    )
+    victim = next(a for a in trio[1:] if a.results()[0][2] != 0)  # not rank 0, not the host
+    survivors = [a for a in trio if a is not victim]
+    victim.kill_node()
+    killed = time.monotonic()
+    formed = re.compile(r"round \d+ formed: 2 nodes \(was 3\)")
+    assert wait_until(lambda: all(formed.search(a.text()) for a in survivors), 20), survivors[
+        0
+    ].text()
+    elapsed = time.monotonic() - killed
+    print(f"survivors formed a new round {elapsed:.2f}s after the SIGKILL")
+    assert elapsed < 5
+    finish(survivors, job.stop)
 
 
 def test_sigkill_of_the_hosting_agent_fails_the_others_clearly(job) -> None:  # noqa: ANN001

@@ -29,6 +29,7 @@ from elastic.core.interfaces.rendezvous import (
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import LivenessTracker, Monitor, add_lost, read_lost
+from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.rendezvous.round.protocol import RoundProtocol
 from elastic.core.rendezvous.round.settings import RoundSettings
@@ -61,6 +62,10 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._left = False
         self.node_id = R.new_node_id()
         self.addr = addr
+        # Every agent listens; the one that becomes rank 0 is connected to (presence.py).
+        self._presence: PresenceServer | None = None
+        if monitor_store is not None and not params.read_only:
+            self._presence = PresenceServer(addr, settings.token, params.run_id)
         node = {
             "id": self.node_id,
             "host": socket.gethostname(),
@@ -68,6 +73,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             "pid": os.getpid(),
             "fp": dict(params.fingerprint),
             "rank_hint": settings.node_rank,
+            "presence": self._presence.port if self._presence is not None else 0,
         }
         self.protocol = RoundProtocol(
             self.rdzv_store,
@@ -85,6 +91,8 @@ class RoundRendezvousHandler(RendezvousHandler):
                 self.node_id,
                 settings.heartbeat_interval,
                 settings.heartbeat_timeout,
+                self._presence,
+                hello_line(settings.token, params.run_id, self.node_id),
             )
 
     @property
@@ -230,6 +238,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._shut = True
         if self._monitor is not None:
             self._monitor.stop(wait=not self._left)
+        if self._presence is not None:
+            self._presence.close()
         self.after_shutdown()
         self.close_stores()
         return ok

@@ -45,6 +45,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,17 @@ def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
 
 
 class Monitor:
+    """``presence``: this agent's presence port (``presence.py``), served when it is rank
+    0; ``hello``: what this node says when it connects to rank 0's."""
+
     def __init__(
-        self, store: CoordinationStore, node_id: str, interval: float, timeout: float
+        self,
+        store: CoordinationStore,
+        node_id: str,
+        interval: float,
+        timeout: float,
+        presence: PresenceServer | None = None,
+        hello: bytes = b"",
     ) -> None:
         self.store = store
         self.node_id = node_id
@@ -149,6 +159,13 @@ class Monitor:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # tick now: a presence connection closed
+        self._presence = presence
+        self._hello = hello
+        self._client: PresenceClient | None = None
+        self._gone: set[str] = set()  # rank 0, when our connection to it died
+        if presence is not None:
+            presence.on_change = self._wake.set
         self._thread: threading.Thread | None = None
         self._seq = 0
         self._beating = True
@@ -192,6 +209,8 @@ class Monitor:
         """Stop the thread; ``wait=False`` when it may be stuck in a store call (a
         partition) and the caller must not be held up by it."""
         self._stop.set()
+        self._wake.set()
+        self._stop_client()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
 
@@ -205,6 +224,30 @@ class Monitor:
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
             self._events_seen, self._published = None, []
+            self._gone = set()
+        self._stop_client()
+        if asg is None or rank is None:
+            return
+        if rank == 0 and self._presence is not None:
+            self._presence.watch(m for m in asg.members if m != self.node_id)
+        elif rank > 0 and asg.presence_port:
+            rank0 = asg.members[0]
+            self._client = PresenceClient(
+                asg.master_addr, asg.presence_port, self._hello, lambda: self._died(asg, rank0)
+            )
+
+    def _stop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.stop()
+
+    def _died(self, asg: R.Assignment, node: str) -> None:
+        """Our connection to ``node`` (rank 0) closed and its port refuses us."""
+        with self._lock:
+            if asg is not self._round:
+                return
+            self._gone.add(node)
+        self._wake.set()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
@@ -267,9 +310,17 @@ class Monitor:
 
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval
-        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
-            # After a stall, carry on from now rather than bursting to catch up.
-            next_tick = max(next_tick + self.interval, time.monotonic())
+        while True:
+            presence = self._presence if self._rank == 0 else None
+            due = presence.next_due(self._published) if presence is not None else None
+            wake_at = next_tick if due is None else min(next_tick, due)
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if time.monotonic() >= next_tick:
+                # After a stall, carry on from now rather than bursting to catch up.
+                next_tick = max(next_tick + self.interval, time.monotonic())
             self._unanswered.asking()
             try:
                 self._tick()
@@ -344,7 +395,11 @@ class Monitor:
 
     def _check_members(self, asg: R.Assignment, beats: dict[str, bytes]) -> list[str]:
         stale, _ = self._tracker.update(beats, time.monotonic())
-        new = sorted(set(stale) - set(self._published))
+        with self._lock:
+            dead = set(self._gone)  # a member: rank 0's process died
+        if self._presence is not None and self._rank == 0:
+            dead.update(self._presence.gone())  # rank 0: these members' processes died
+        new = sorted((set(stale) | dead) - set(self._published))
         if new:
             log.warning("round %d: lost %s", asg.round, ", ".join(new))
             # Publishing wakes every survivor (their next tick sees the events counter).

@@ -351,6 +351,7 @@ class RoundProtocol:
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
             hosts=[str(rec.get("host", "")) for rec in chosen],
+            presence_port=_port(chosen[0].get("presence")),
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",
@@ -369,3 +370,8 @@ def _counter(raw: bytes) -> int:
         return int(raw or b"0")
     except ValueError:
         return 0
+
+
+def _port(value: Any) -> int:
+    """A port from a join record; anything else (an older agent's record) is 0: none."""
+    return value if isinstance(value, int) and 0 < value < 65536 else 0

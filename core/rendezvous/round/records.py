@@ -160,6 +160,7 @@ class Assignment:
     min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
     max_nodes: int = 0
     hosts: list[str] = field(default_factory=list)  # the members' hostnames, by node rank
+    presence_port: int = 0  # rank 0's presence port (presence.py) at master_addr; 0: none
     sig: str | None = None
 
     def to_json(self, token: bytes | None, run_id: str) -> str:
