@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import click
+from elastic.cli.entrypoint import check_script, entrypoint_for, fingerprint_for
 from elastic.cli.options import (
+    bad,
     flag,
     parse_endpoint,
     parse_local_ranks_filter,
@@ -22,8 +23,7 @@ from elastic.cli.options import (
 )
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
 from elastic.core.launch.config import LaunchConfig, SettingError
-from elastic.core.launch.launcher import python_exec, run_script_path
-from elastic.core.rendezvous.fingerprint import node_fingerprint, parse_allowed
+from elastic.core.rendezvous.fingerprint import parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
 if TYPE_CHECKING:
@@ -38,10 +38,6 @@ OMP_WARNING = (
     "performance in your application as needed. \n"
     "*****************************************"
 )
-
-
-def bad(option: str, message: str) -> click.BadParameter:
-    return click.BadParameter(message, param_hint=f"'{option}'")
 
 
 def option_name(dest: str) -> str:
@@ -169,41 +165,6 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
         "allow_mismatch": allow_mismatch,
         "node_rank": opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
     }
-
-
-def entrypoint_for(opts: dict[str, Any]) -> tuple[Any, tuple[str, ...]]:
-    script, script_args = opts["training_script"], tuple(opts["training_script_args"])
-    if opts["no_python"] and opts["module"]:
-        raise click.UsageError("--no-python and -m/--module cannot be used together")
-    if opts["run_path"]:
-        return run_script_path, (script, *script_args)
-    if opts["no_python"]:
-        if not (shutil.which(script) or os.access(script, os.X_OK)):
-            raise bad("training_script", f"{script!r} is not an executable program (--no-python)")
-        return script, script_args
-    if opts["module"]:
-        return python_exec(), ("-u", "-m", script, *script_args)
-    return python_exec(), ("-u", script, *script_args)
-
-
-def check_script(opts: dict[str, Any]) -> None:
-    script = opts["training_script"]
-    if script.startswith("-"):
-        raise click.UsageError(f"no such option: {script} (see elastic run --help)")
-    if opts["module"] or opts["no_python"]:
-        return
-    if not os.path.isfile(script):
-        raise bad("training_script", f"{script!r} does not exist; give the path of a Python script")
-
-
-def fingerprint_for(opts: dict[str, Any], nproc: int, max_restarts: int) -> dict[str, str]:
-    script = opts["training_script"]
-    return node_fingerprint(
-        nproc_per_node=nproc,
-        entrypoint=("-m " if opts["module"] else "") + script,
-        script=None if opts["module"] or opts["no_python"] else script,
-        max_restarts=max_restarts,
-    )
 
 
 def check_rejected(opts: dict[str, Any]) -> None:
