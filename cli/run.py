@@ -22,6 +22,7 @@ from elastic.cli.options import (
     parse_std,
 )
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
+from elastic.cli.slurm import fill_from_slurm, took_line
 from elastic.core.launch.config import LaunchConfig, SettingError
 from elastic.core.rendezvous.fingerprint import parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
@@ -103,6 +104,7 @@ RENDEZVOUS_OPTIONS = (
 )
 ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
 REJECTED_OPTIONS = ("logs_specs", "numa_binding")
+COMMAND_OPTIONS = ("dry_run",)  # about the command itself, not the launch
 
 
 def mapped_fields(opts: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +315,7 @@ def build_config(
     envvar=["PET_QUIET", "ELASTIC_QUIET"],
     help="No progress lines (who the rendezvous waits for, who came and left).",
 )
+@flag("--dry-run", is_flag=True, help="Print the launch (and what SLURM gave), start nothing.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -322,9 +325,19 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     Start the same command on every node; the agents rendezvous, each gets a node rank and
     starts --nproc-per-node workers with torchrun's environment (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR, ...). Installed plugins add their own options (listed below
-    under each plugin's name).
+    under each plugin's name). Under srun, SLURM's task environment fills the node count,
+    node rank and rendezvous flags not given (README, "Under SLURM").
     """
+    dry_run = opts.pop("dry_run")
+    slurm = fill_from_slurm(ctx, opts, os.environ)
     config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
+    if dry_run:
+        from elastic.cli.dry_run import plan_lines
+
+        click.echo("\n".join(plan_lines(config, entrypoint, args, slurm[1] if slurm else {})))
+        sys.exit(0)
+    if slurm and not config.quiet:
+        click.echo(took_line(*slurm), err=True)
     from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
     from elastic.core.launch.launcher import launch
     from elastic.core.watchdog.health import HealthPortError
