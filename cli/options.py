@@ -19,6 +19,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 STD_NAMES = "0 (none), 1 (stdout), 2 (stderr), 3 (both)"
 
 
+def bad(option: str, message: str) -> click.BadParameter:
+    """A bad value, reported under the option's name (click's one-line error)."""
+    return click.BadParameter(message, param_hint=f"'{option}'")
+
+
 def flag(*names: str, **kwargs: Any) -> Callable[[F], F]:
     """A torchrun flag: ``--dash-name`` plus ``--underscore_name`` plus ``PET_`` envvar."""
     long_names = [n for n in names if n.startswith("--")]

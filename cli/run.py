@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import click
+from elastic.cli.entrypoint import check_script, entrypoint_for, fingerprint_for
 from elastic.cli.options import (
+    bad,
     flag,
     parse_endpoint,
     parse_local_ranks_filter,
@@ -21,9 +22,9 @@ from elastic.cli.options import (
     parse_std,
 )
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
+from elastic.cli.slurm import fill_from_slurm, took_line
 from elastic.core.launch.config import LaunchConfig, SettingError
-from elastic.core.launch.launcher import python_exec, run_script_path
-from elastic.core.rendezvous.fingerprint import node_fingerprint, parse_allowed
+from elastic.core.rendezvous.fingerprint import parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
 if TYPE_CHECKING:
@@ -38,10 +39,6 @@ OMP_WARNING = (
     "performance in your application as needed. \n"
     "*****************************************"
 )
-
-
-def bad(option: str, message: str) -> click.BadParameter:
-    return click.BadParameter(message, param_hint=f"'{option}'")
 
 
 def option_name(dest: str) -> str:
@@ -107,6 +104,7 @@ RENDEZVOUS_OPTIONS = (
 )
 ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
 REJECTED_OPTIONS = ("logs_specs", "numa_binding")
+COMMAND_OPTIONS = ("dry_run",)  # about the command itself, not the launch
 
 
 def mapped_fields(opts: dict[str, Any]) -> dict[str, Any]:
@@ -169,41 +167,6 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
         "allow_mismatch": allow_mismatch,
         "node_rank": opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
     }
-
-
-def entrypoint_for(opts: dict[str, Any]) -> tuple[Any, tuple[str, ...]]:
-    script, script_args = opts["training_script"], tuple(opts["training_script_args"])
-    if opts["no_python"] and opts["module"]:
-        raise click.UsageError("--no-python and -m/--module cannot be used together")
-    if opts["run_path"]:
-        return run_script_path, (script, *script_args)
-    if opts["no_python"]:
-        if not (shutil.which(script) or os.access(script, os.X_OK)):
-            raise bad("training_script", f"{script!r} is not an executable program (--no-python)")
-        return script, script_args
-    if opts["module"]:
-        return python_exec(), ("-u", "-m", script, *script_args)
-    return python_exec(), ("-u", script, *script_args)
-
-
-def check_script(opts: dict[str, Any]) -> None:
-    script = opts["training_script"]
-    if script.startswith("-"):
-        raise click.UsageError(f"no such option: {script} (see elastic run --help)")
-    if opts["module"] or opts["no_python"]:
-        return
-    if not os.path.isfile(script):
-        raise bad("training_script", f"{script!r} does not exist; give the path of a Python script")
-
-
-def fingerprint_for(opts: dict[str, Any], nproc: int, max_restarts: int) -> dict[str, str]:
-    script = opts["training_script"]
-    return node_fingerprint(
-        nproc_per_node=nproc,
-        entrypoint=("-m " if opts["module"] else "") + script,
-        script=None if opts["module"] or opts["no_python"] else script,
-        max_restarts=max_restarts,
-    )
 
 
 def check_rejected(opts: dict[str, Any]) -> None:
@@ -352,6 +315,7 @@ def build_config(
     envvar=["PET_QUIET", "ELASTIC_QUIET"],
     help="No progress lines (who the rendezvous waits for, who came and left).",
 )
+@flag("--dry-run", is_flag=True, help="Print the launch (and what SLURM gave), start nothing.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -361,9 +325,19 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     Start the same command on every node; the agents rendezvous, each gets a node rank and
     starts --nproc-per-node workers with torchrun's environment (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR, ...). Installed plugins add their own options (listed below
-    under each plugin's name).
+    under each plugin's name). Under srun, SLURM's task environment fills the node count,
+    node rank and rendezvous flags not given (README, "Under SLURM").
     """
+    dry_run = opts.pop("dry_run")
+    slurm = fill_from_slurm(ctx, opts, os.environ)
     config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
+    if dry_run:
+        from elastic.cli.dry_run import plan_lines
+
+        click.echo("\n".join(plan_lines(config, entrypoint, args, slurm[1] if slurm else {})))
+        sys.exit(0)
+    if slurm and not config.quiet:
+        click.echo(took_line(*slurm), err=True)
     from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
     from elastic.core.launch.launcher import launch
     from elastic.core.watchdog.health import HealthPortError

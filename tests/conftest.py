@@ -21,6 +21,12 @@ from elastic.testing.waits import wait_until  # noqa: F401  (for the test module
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Under srun, ``elastic run`` takes the step's nodes from SLURM_* (cli/slurm.py): a suite run
+# inside a SLURM job must not turn every test's launch into a job across the allocation.
+# Tests that want a SLURM environment give it explicitly.
+for _name in [n for n in os.environ if n.startswith("SLURM_")]:
+    del os.environ[_name]
+
 
 @pytest.fixture
 def port() -> int:

@@ -67,6 +67,7 @@ def test_every_run_option_reaches_the_launch() -> None:
     from dataclasses import fields
 
     from elastic.cli.run import (
+        COMMAND_OPTIONS,
         ENTRYPOINT_OPTIONS,
         OPTIONS,
         REJECTED_OPTIONS,
@@ -76,6 +77,7 @@ def test_every_run_option_reaches_the_launch() -> None:
     from elastic.core.launch.config import LaunchConfig
 
     handled = {*OPTIONS, *RENDEZVOUS_OPTIONS, *ENTRYPOINT_OPTIONS, *REJECTED_OPTIONS}
+    handled |= {*COMMAND_OPTIONS}
     assert {p.name for p in run_command.params} == handled
     targets = {name for to in OPTIONS.values() for name in to.fields}
     assert targets <= {f.name for f in fields(LaunchConfig)}
