@@ -2,7 +2,7 @@
 
 For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed, its
 cable is cut) and each launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with
-etcd-v3, etcd-v2 and the legacy etcd on a fourth host), a fresh ``elastic.testing.cluster``
+etcd-v3, etcd-v2 and etcd on a fourth host), a fresh ``elastic.testing.cluster``
 cluster runs a ``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
 together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
 before importing anything, then all-reduce every 0.1 s (noting each finished collective),

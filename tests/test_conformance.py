@@ -1,5 +1,5 @@
 """The backend contract (``elastic.testing.conformance``) run against every built-in backend
-(c10d, etcd-v3, etcd-v2, the legacy etcd and static), each on real servers on free
+(c10d, etcd-v3, etcd-v2, etcd and static), each on real servers on free
 loopback ports; the cases that do not apply to a backend are skipped by name."""
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ QUICK_ETCD_V2 = {
     "keep_alive_max_attempt": "4",  # heartbeat TTL 2 s
     "join_timeout": "60",
 }
-QUICK_ETCD = {"last_call_timeout": "1", "keep_alive_ttl": "2", "timeout": "60"}
+QUICK_ETCD = {  # torch's etcd keys on the shared round: ``timeout`` is join_timeout
+    "last_call_timeout": "1",
+    "keep_alive_interval": "0.5",
+    "keep_alive_max_attempt": "4",
+    "timeout": "60",
+}
 QUICK_C10D = {
     "last_call_timeout": "1",
     "heartbeat_interval": "0.5",
@@ -32,13 +37,6 @@ QUICK_C10D = {
 }
 
 
-# The legacy etcd backend keeps torchelastic's protocol, with its own keys and rules.
-LEGACY_ETCD_ONLY = frozenset(
-    {
-        "test_stable_ranks_when_the_same_nodes_regroup",
-        "test_regroup_after_a_departure_skips_the_last_call",
-    }
-)
 # A fixed set of nodes, each told its rank, node 0 hosting the store: no membership.
 STATIC_FIXED = frozenset(
     {
@@ -75,8 +73,14 @@ class TestEtcdConformance(RendezvousConformance):
             "etcd",
             etcd_server_shared.endpoint,
             dict(QUICK_ETCD),
-            not_applicable=LEGACY_ETCD_ONLY,
-            bad_config=({"timeout": "0"}, {"keep_alive_ttl": "-1"}),
+            # The round's checks; torch's name for join_timeout is named as written.
+            bad_config=(
+                {"timeout": "0"},
+                {"join_timeout": "0"},
+                {"last_call_timeout": "-1"},
+                {"heartbeat_interval": "0"},
+                {"heartbeat_timeout": "nan"},
+            ),
         )
 
 

@@ -81,9 +81,6 @@ def start_job(cluster_factory: Make, tmp_path: Path) -> Iterator[Callable[..., S
         cluster = cluster_factory(3 if backend == "c10d" else 3 + etcd_members)
         nodes, endpoint = serve_rendezvous(cluster, backend, tmp_path)
         conf = dict(conf or {})
-        if backend == "etcd" and "heartbeat_timeout" in conf:
-            # The legacy protocol's liveness is a keep-alive TTL (refreshed every TTL/3).
-            conf = {"keep_alive_ttl": conf.pop("heartbeat_timeout")}
         job = FaultJob(
             cluster,
             tmp_path / "job",

@@ -1,5 +1,6 @@
-"""etcd and etcd-v2 backends against real etcd servers: faults (restart, a lost member of
-three, unreachable), TLS, authentication, corrupt state, fingerprints, describe."""
+"""etcd and etcd-v2 backends (the shared round over etcd's v2 API) against real etcd servers:
+faults (restart, a lost member of three, unreachable), TLS, authentication, corrupt state,
+fingerprints, describe, and the ``etcd`` backend's torch keys (mapped or refused)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import etcd
 import pytest
 from elastic.core.interfaces.rendezvous import (
+    RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousMismatchError,
     RendezvousParameters,
@@ -27,13 +29,15 @@ pytest_plugins = ["elastic.testing.etcd"]
 QUICK = {
     "etcd-v2": {"last_call_timeout": "1", "keep_alive_interval": "0.5",
                 "keep_alive_max_attempt": "4", "join_timeout": "40"},
-    "etcd": {"last_call_timeout": "1", "keep_alive_ttl": "2", "timeout": "40"},
+    "etcd": {"last_call_timeout": "1", "keep_alive_interval": "0.5",
+             "keep_alive_max_attempt": "4", "timeout": "40"},  # torch's name: join_timeout
 }  # fmt: skip
 TLS_KEYS = {
     "etcd-v2": ("ca_cert", "ssl_cert", "ssl_cert_key"),
     "etcd": ("cacert", "cert", "key"),
 }
 BACKENDS = ["etcd-v2", "etcd"]
+PREFIX = {"etcd-v2": "/elastic/rdzv", "etcd": "/elastic/etcd"}  # each backend's default
 
 
 def params(backend: str, endpoint: str, run_id: str, n: int = 2, **conf: Any) -> Any:
@@ -81,8 +85,7 @@ def test_unreachable_is_one_line_error(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_etcd_restart_mid_rendezvous_and_mid_run(backend: str, etcd_server: EtcdCluster) -> None:
     # Heartbeat TTLs must outlast the etcd outage (TTLs keep running while it is down).
-    ttl = {"keep_alive_ttl": 6} if backend == "etcd" else {"keep_alive_max_attempt": 12}
-    hs = handlers(backend, etcd_server.endpoint, "restart", 2, **ttl)
+    hs = handlers(backend, etcd_server.endpoint, "restart", 2, keep_alive_max_attempt=12)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(hs[0].next_rendezvous)
         time.sleep(0.5)  # node 0 is waiting for node 1
@@ -149,15 +152,12 @@ def test_password(backend: str, etcd_server: EtcdCluster) -> None:
         assert "refused" in str(err.value) and "username/password" in str(err.value)
 
 
-def test_corrupt_state_names_key(etcd_server_shared: EtcdCluster) -> None:
-    client = etcd.Client(port=etcd_server_shared.members[0].client_port)
-    h = get_rendezvous_handler(params("etcd-v2", etcd_server_shared.endpoint, "corrupt", 1))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupt_state_names_key(backend: str, etcd_server_shared: EtcdCluster) -> None:
+    run = f"corrupt-{backend}"
+    h = get_rendezvous_handler(params(backend, etcd_server_shared.endpoint, run, 1))
     h.rdzv_store.set("round", "{not json")
-    with pytest.raises(RendezvousStateError, match="/elastic/rdzv/corrupt/rdzv/round"):
-        h.next_rendezvous()
-    client.write("/elastic/etcd/run_corrupt2/rdzv/active_version", "garbage")
-    h = get_rendezvous_handler(params("etcd", etcd_server_shared.endpoint, "corrupt2", 1))
-    with pytest.raises(RendezvousStateError, match="run_corrupt2/rdzv/active_version"):
+    with pytest.raises(RendezvousStateError, match=f"{PREFIX[backend]}/{run}/rdzv/round"):
         h.next_rendezvous()
 
 
@@ -176,22 +176,62 @@ def test_fingerprint_mismatch(backend: str, etcd_server_shared: EtcdCluster) -> 
     first.shutdown()
 
 
-def test_describe_is_read_only(etcd_server_shared: EtcdCluster) -> None:
-    hs = handlers("etcd-v2", etcd_server_shared.endpoint, "desc", 2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_describe_is_read_only(backend: str, etcd_server_shared: EtcdCluster) -> None:
+    run = f"desc-{backend}"
+    hs = handlers(backend, etcd_server_shared.endpoint, run, 2)
     infos = rendezvous(hs)
     infos[0].store.add("agent/restarts", 2)
-    viewer_params = params("etcd-v2", etcd_server_shared.endpoint, "desc", 2)
+    viewer_params = params(backend, etcd_server_shared.endpoint, run, 2)
     viewer_params.read_only = True
     status = get_rendezvous_handler(viewer_params).describe()
+    assert status.backend == backend  # the user's name for it, in `elastic status`
     assert status.state == "running" and status.round == infos[0].round
     assert [m.node_id for m in status.members] == infos[0].members
     assert status.restarts_used == 2 and status.waiting == 0
     hs[0].set_closed()
     assert get_rendezvous_handler(viewer_params).describe().state == "closed"
-    legacy = get_rendezvous_handler(params("etcd", etcd_server_shared.endpoint, "desc-e", 1))
-    legacy.next_rendezvous()
-    assert legacy.describe().state == "running"
-    shutdown(hs + [legacy])
+    shutdown(hs)
+
+
+def test_etcd_keys_map_onto_the_round(etcd_server_shared: EtcdCluster) -> None:
+    """torch's ``etcd`` keys are the round's settings under torch's names; the old
+    protocol's ``keep_alive_ttl`` is one line naming what to use instead."""
+    endpoint = etcd_server_shared.endpoint
+    h = get_rendezvous_handler(params("etcd", endpoint, "keys", 1, timeout=33))
+    assert h.settings.join_timeout == 33.0 and h.settings.last_call_timeout == 1.0
+    assert h.settings.heartbeat_timeout == 2.0  # keep_alive_interval * keep_alive_max_attempt
+    h.shutdown()
+    with pytest.raises(RendezvousConfigError) as err:
+        get_rendezvous_handler(params("etcd", endpoint, "keys", 1, keep_alive_ttl=2))
+    message = str(err.value)
+    assert "keep_alive_ttl=2" in message and "heartbeat_timeout" in message
+    assert "\n" not in message
+    for bad, names in (
+        ({"join_timeout": 5}, ("timeout", "join_timeout")),  # one setting, two names
+        ({"timeout": 0}, ("timeout=0",)),  # the error names what the user wrote
+        ({"key_prefix": "/x"}, ("key_prefix", "etcd_prefix")),  # etcd-v2's spelling
+    ):
+        with pytest.raises(RendezvousConfigError) as err:
+            get_rendezvous_handler(params("etcd", endpoint, "keys", 1, **bad))
+        assert all(name in str(err.value) for name in names), err.value
+
+
+def test_etcd_prefix_places_the_job(etcd_server_shared: EtcdCluster) -> None:
+    """``etcd_prefix`` (torch's) roots the job; the two backends' defaults differ, so one
+    job id under both never shares state."""
+    client = etcd.Client(port=etcd_server_shared.members[0].client_port)
+    endpoint = etcd_server_shared.endpoint
+    mine = handlers("etcd", endpoint, "prefixed", 1, etcd_prefix="/torchelastic/p2p")
+    rendezvous(mine)
+    assert client.read("/torchelastic/p2p/prefixed").dir
+    with pytest.raises(etcd.EtcdKeyNotFound):
+        client.read("/elastic/etcd/prefixed")
+    both = [*handlers("etcd", endpoint, "same-id", 1), *handlers("etcd-v2", endpoint, "same-id", 1)]
+    infos = rendezvous(both)  # each alone in its own job
+    assert [i.world_size for i in infos] == [1, 1]
+    assert client.read("/elastic/etcd/same-id").dir and client.read("/elastic/rdzv/same-id").dir
+    shutdown(mine + both)
 
 
 def test_shutdown_is_not_a_lost_node(etcd_server_shared: EtcdCluster) -> None:
@@ -233,7 +273,7 @@ while not os.path.exists(os.environ["STOP_FILE"]):
 """
 E2E_CONF = {
     "etcd-v2": "last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4",
-    "etcd": "last_call_timeout=1,keep_alive_ttl=2",
+    "etcd": "last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4",
 }
 
 

@@ -1,5 +1,5 @@
-"""An etcd v2 ``CoordinationStore`` (``elastic.core.interfaces.coordination``): the store the shared
-round runs over in the ``etcd-v2`` backend, and the job store of the legacy ``etcd`` one.
+"""An etcd v2 ``CoordinationStore`` (``elastic.core.interfaces.coordination``): the store the
+shared round runs over in the ``etcd`` and ``etcd-v2`` backends (``backend.py``).
 
 Keys are base64url-encoded into one path segment each, so ``agent/failures`` and
 ``agent/failures/3`` never collide as etcd file vs directory; values are base64 because

@@ -5,14 +5,17 @@ silently replaced by a default: a ``join_timeout=0`` taken as "unset" would run 
 600 s default instead of telling the user the value is out of range.
 torch's dynamic-rendezvous spellings ``keep_alive_interval``/``keep_alive_max_attempt``
 are accepted as another way to say ``heartbeat_interval``/``heartbeat_timeout``, so a
-torchrun command line works unchanged on any backend.
+torchrun command line works unchanged on any backend. A backend may add its own spellings
+of the round's plain-number keys (``aliases``: the ``etcd`` backend takes torch's
+``timeout`` for ``join_timeout``) and name keys it no longer takes (``refused``), so every
+dynamic backend reads the same settings by the same rules, here.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousParameters
@@ -102,21 +105,55 @@ def _liveness(params: RendezvousParameters) -> tuple[float, float]:
     return interval, timeout
 
 
+# The round keys a backend may give another name (``aliases``): plain numbers of seconds.
+ALIASABLE = ("last_call_timeout", "join_timeout", "close_timeout", "read_timeout")
+
+
+def _spelling(params: RendezvousParameters, aliases: Mapping[str, str]) -> dict[str, str]:
+    """Round key -> the key to read it from: the alias when the user wrote it. Both
+    spellings at once is an error (which one would win is a guess)."""
+    spelled = {key: key for key in ALIASABLE}
+    for alias, key in aliases.items():
+        if key not in ALIASABLE:
+            raise ValueError(f"{alias!r} cannot alias {key!r}: not one of {ALIASABLE}")
+        if alias in params.config and key in params.config:
+            raise RendezvousConfigError(
+                f"--rdzv-conf: give {key} or {alias} (the same setting), not both"
+            )
+        if alias in params.config:
+            spelled[key] = alias
+    return spelled
+
+
 def parse_round_settings(
-    params: RendezvousParameters, backend_keys: Sequence[str] = ()
+    params: RendezvousParameters,
+    backend_keys: Sequence[str] = (),
+    *,
+    aliases: Mapping[str, str] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> RoundSettings:
-    """Check every key (the round's and ``backend_keys``) and read the round's."""
-    params.check_keys((*ROUND_KEYS, *backend_keys))
+    """Check every key (the round's, ``backend_keys`` and ``aliases``) and read the
+    round's. A ``refused`` key (key -> what to use instead) is one line naming both, ahead
+    of the unknown-key check, so a retired key never reads as a typo."""
+    for key, instead in (refused or {}).items():
+        if key in params.config:
+            raise RendezvousConfigError(
+                f"--rdzv-conf {key}={params.get(key)} is not taken by the {params.backend} "
+                f"backend: {instead}"
+            )
+    aliases = aliases or {}
+    params.check_keys((*ROUND_KEYS, *backend_keys, *aliases))
+    key = _spelling(params, aliases)
     interval, timeout = _liveness(params)
     return RoundSettings(
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
-        last_call_timeout=_number(params, "last_call_timeout", 30.0, zero_ok=True),
-        join_timeout=_number(params, "join_timeout", 600.0, zero_ok=False),
-        close_timeout=_number(params, "close_timeout", 30.0, zero_ok=True),
+        last_call_timeout=_number(params, key["last_call_timeout"], 30.0, zero_ok=True),
+        join_timeout=_number(params, key["join_timeout"], 600.0, zero_ok=False),
+        close_timeout=_number(params, key["close_timeout"], 30.0, zero_ok=True),
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
-        read_timeout=_number(params, "read_timeout", 10.0, zero_ok=False),
+        read_timeout=_number(params, key["read_timeout"], 10.0, zero_ok=False),
         token=read_token(params.get("token_file")),
         node_rank=params.node_rank,
     )
