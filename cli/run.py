@@ -23,6 +23,7 @@ from elastic.cli.options import (
 from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
 from elastic.core.launch.config import LaunchConfig, SettingError
 from elastic.core.launch.launcher import python_exec, run_script_path
+from elastic.core.log import say
 from elastic.core.rendezvous.fingerprint import node_fingerprint, parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
@@ -375,7 +376,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     except (RendezvousConfigError, HealthPortError) as exc:
         raise click.UsageError(str(exc)) from None
     except RendezvousError as exc:
-        click.echo(f"elastic run: error: {exc}", err=True)
+        say(f"elastic run: error: {exc}", logging.ERROR)
         sys.exit(1)
     if result.message and result.exit_code != 0:
         log.debug("run failed: %s", result.message)

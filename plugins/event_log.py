@@ -8,10 +8,10 @@ unless the flag asks for it (``null``, the default). One ``EventLogPlugin`` per 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from elastic.core.log import say
 from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class EventLogPlugin:
                 "timestamp": int(time.time() * 1000),
                 "metadata": metadata,
             }
-            print(json.dumps(event, default=str), file=sys.stderr, flush=True)
+            say(json.dumps(event, default=str))
 
     @hookimpl
     def elastic_addoption(self, parser: PluginOptionParser) -> None:
