@@ -20,7 +20,7 @@ from elastic.cli.options import (
     parse_signals,
     parse_std,
 )
-from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
+from elastic.cli.plugin_options import RunCommand, note_event_log, plugin_host, plugin_values
 from elastic.core.launch.config import LaunchConfig, SettingError
 from elastic.core.launch.launcher import python_exec, run_script_path
 from elastic.core.log import say
@@ -96,6 +96,7 @@ OPTIONS: dict[str, To] = {
     "preemption_signal": to("preemption_signal"),
     "preemption_grace": to("preemption_grace"),
     "quiet": to("quiet"),
+    "event_log_handler": to("event_log_handler"),
 }
 RENDEZVOUS_OPTIONS = (
     "rdzv_backend",
@@ -258,7 +259,7 @@ def build_config(
     "--nproc-per-node",
     default="1",
     show_default=True,
-    help="Workers per node: N, auto, cpu or gpu.",
+    help="Workers per node: N, auto, cpu, gpu or xpu.",
 )
 @flag("--rdzv-backend", default="static", show_default=True, help="Rendezvous backend name.")
 @flag("--rdzv-endpoint", default="", help="Rendezvous endpoint, HOST[:PORT].")
@@ -278,6 +279,14 @@ def build_config(
     type=click.Choice(["spawn", "fork", "forkserver"]),
     default="spawn",
     show_default=True,
+)
+@flag(
+    "--event-log-handler",
+    type=click.Choice(["null", "console"]),
+    default="null",
+    show_default=True,
+    envvar=["PET_EVENT_LOG_HANDLER", "ELASTIC_EVENT_LOG_HANDLER"],
+    help="Agent events as JSON lines on stderr: console (the event_log plugin), or null.",
 )
 @flag("--role", default="default", show_default=True, help="Worker role name.")
 @flag("-m", "--module", is_flag=True, help="Run the script as a module (python -m).")
@@ -365,6 +374,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     under each plugin's name).
     """
     config, entrypoint, args, factory = build_config(opts, plugin_values(ctx, opts))
+    note_event_log(ctx, config.event_log_handler)
     from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
     from elastic.core.launch.launcher import launch
     from elastic.core.watchdog.health import HealthPortError
