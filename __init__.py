@@ -15,9 +15,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# The one source of the version: pyproject.toml reads it (``[tool.setuptools.dynamic]``)
+# without importing the package, so ``elastic --version`` is right from a source tree.
 __version__ = "0.1.0"
 
-# name -> "module:attribute", resolved on first access (PEP 562).
+# name -> "module:attribute", resolved on first access (PEP 562). Type checkers read
+# __init__.pyi beside this file instead, which imports each of these from its home (a
+# TYPE_CHECKING block here would be read by import-linter as the facade importing torch
+# and every room, closing circles through ``elastic``); tests/test_packaging.py keeps
+# the two lists equal.
 _LAZY = {
     "record": "elastic.plugins.errors.record:record",
     "State": "elastic.training.state:State",

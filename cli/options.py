@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,7 +78,30 @@ def count_cpus() -> int:
         return os.cpu_count() or 1
 
 
+XPU_COUNT = "import torch; print(torch.xpu.device_count() if torch.xpu.is_available() else 0)"
+
+
+def count_xpus() -> int:
+    """Intel XPUs, counted as torchrun counts them (``torch.xpu.device_count()``) but in a
+    child interpreter: the CLI never imports torch (the no-torch contract, and it costs
+    seconds), so only ``--nproc-per-node xpu`` pays for that import, and only once."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", XPU_COUNT], capture_output=True, text=True, timeout=300
+        )
+        return int(result.stdout.split()[-1]) if result.returncode == 0 else 0
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0
+
+
 def parse_nproc_per_node(value: str) -> int:
+    """torchrun's values: N, ``gpu``, ``xpu``, ``cpu``, ``auto`` (GPUs, else CPUs: unlike
+    torchrun, ``auto`` does not look for XPUs, which would import torch on every CPU run)."""
+    if value == "xpu":
+        xpus = count_xpus()
+        if xpus == 0:
+            raise click.BadParameter("'xpu' was asked for but this machine has no visible XPU")
+        return xpus
     if value == "gpu":
         gpus = count_gpus()
         if gpus == 0:
@@ -90,7 +115,8 @@ def parse_nproc_per_node(value: str) -> int:
         count = int(value)
     except ValueError:
         raise click.BadParameter(
-            f"{value!r} is not a process count; expected a positive integer, auto, cpu or gpu"
+            f"{value!r} is not a process count; "
+            "expected a positive integer, auto, cpu or gpu, or xpu for Intel GPUs"
         ) from None
     if count < 1:
         raise click.BadParameter(f"{value!r}: the process count must be a positive integer")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import click
+from elastic.core.log import say
 from elastic.core.plugin.options import PluginOption, PluginOptionParser
 
 if TYPE_CHECKING:
@@ -106,6 +107,21 @@ class RunCommand(click.Command):
 def plugin_values(ctx: click.Context, opts: dict[str, Any]) -> dict[str, Any]:
     """Take the plugins' values out of the command's keyword arguments, by dest."""
     return {o.dest: opts.pop(o.dest) for o in ctx.meta.get(OPTIONS_KEY, [])}
+
+
+# torchrun's --event-log-handler is a core flag of ``elastic run`` (it exists whatever
+# loads), and the built-in hook plugin of this name is what acts on it.
+EVENT_LOG_PLUGIN = "event_log"
+
+
+def note_event_log(ctx: click.Context, handler: str) -> None:
+    """One line when --event-log-handler asks for events that no loaded plugin writes."""
+    host = plugin_host(ctx)
+    if handler != "null" and (host is None or host.get_plugin(EVENT_LOG_PLUGIN) is None):
+        say(
+            f"elastic: --event-log-handler={handler}: the {EVENT_LOG_PLUGIN} plugin is "
+            "disabled, so no events are written"
+        )
 
 
 def plugin_host(ctx: click.Context) -> PluginHost | None:

@@ -21,9 +21,10 @@ from elastic.cli.options import (
     parse_signals,
     parse_std,
 )
-from elastic.cli.plugin_options import RunCommand, plugin_host, plugin_values
+from elastic.cli.plugin_options import RunCommand, note_event_log, plugin_host, plugin_values
 from elastic.cli.slurm import fill_from_slurm, took_line
 from elastic.core.launch.config import LaunchConfig, SettingError
+from elastic.core.log import say
 from elastic.core.rendezvous.fingerprint import parse_allowed
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
@@ -92,6 +93,7 @@ OPTIONS: dict[str, To] = {
     "preemption_signal": to("preemption_signal"),
     "preemption_grace": to("preemption_grace"),
     "quiet": to("quiet"),
+    "event_log_handler": to("event_log_handler"),
 }
 RENDEZVOUS_OPTIONS = (
     "rdzv_backend",
@@ -220,7 +222,7 @@ def build_config(
     "--nproc-per-node",
     default="1",
     show_default=True,
-    help="Workers per node: N, auto, cpu or gpu.",
+    help="Workers per node: N, auto, cpu, gpu or xpu.",
 )
 @flag("--rdzv-backend", default="static", show_default=True, help="Rendezvous backend name.")
 @flag("--rdzv-endpoint", default="", help="Rendezvous endpoint, HOST[:PORT].")
@@ -240,6 +242,14 @@ def build_config(
     type=click.Choice(["spawn", "fork", "forkserver"]),
     default="spawn",
     show_default=True,
+)
+@flag(
+    "--event-log-handler",
+    type=click.Choice(["null", "console"]),
+    default="null",
+    show_default=True,
+    envvar=["PET_EVENT_LOG_HANDLER", "ELASTIC_EVENT_LOG_HANDLER"],
+    help="Agent events as JSON lines on stderr: console (the event_log plugin), or null.",
 )
 @flag("--role", default="default", show_default=True, help="Worker role name.")
 @flag("-m", "--module", is_flag=True, help="Run the script as a module (python -m).")
@@ -337,7 +347,8 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
         click.echo("\n".join(plan_lines(config, entrypoint, args, slurm[1] if slurm else {})))
         sys.exit(0)
     if slurm and not config.quiet:
-        click.echo(took_line(*slurm), err=True)
+        say(took_line(*slurm))
+    note_event_log(ctx, config.event_log_handler)
     from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
     from elastic.core.launch.launcher import launch
     from elastic.core.watchdog.health import HealthPortError
@@ -349,7 +360,7 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     except (RendezvousConfigError, HealthPortError) as exc:
         raise click.UsageError(str(exc)) from None
     except RendezvousError as exc:
-        click.echo(f"elastic run: error: {exc}", err=True)
+        say(f"elastic run: error: {exc}", logging.ERROR)
         sys.exit(1)
     if result.message and result.exit_code != 0:
         log.debug("run failed: %s", result.message)

@@ -11,6 +11,7 @@ hosts a store. The JSON schema (``--json``) is ``JobStatus`` as a dict, version 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import click
 from elastic.cli.options import flag
 from elastic.core.interfaces.rendezvous import JobStatus, RendezvousError, RendezvousParameters
+from elastic.core.log import say
 
 
 def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
@@ -120,7 +122,7 @@ def status_command(
             try:
                 status = describe_job(rdzv_backend, rdzv_endpoint, rdzv_id)
             except (RendezvousError, LookupError) as exc:
-                click.echo(f"elastic status: error: {exc}", err=True)
+                say(f"elastic status: error: {exc}", logging.ERROR)
                 sys.exit(1)
             text = json.dumps(status_dict(status), indent=2) if as_json else render(status)
             if watch is None:

@@ -12,6 +12,7 @@
           tcpstore   a torch-free client and server for torch's TCPStore protocol
             interfaces  rendezvous, store, coordination store, worker spec, failure
                         records, the job-wide keys: plain types, no behaviour to speak of
+              log         the ``elastic`` logger: user-facing lines, their handler
 
 Rooms at one depth do not import each other.
 Nothing in core imports ``elastic.plugins`` (built-ins register through entry points like

@@ -17,8 +17,8 @@ This module never imports torch.
 from __future__ import annotations
 
 import functools
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from elastic.core.log import say
 from elastic.core.plugin.named import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.metrics"
@@ -103,7 +104,7 @@ def validate_sink_names(spec: str | None) -> str | None:
 
 
 def _report(message: str) -> None:
-    print(f"elastic: {message}", file=sys.stderr, flush=True)
+    say(f"elastic: {message}", logging.WARNING)
 
 
 def _find_factories(names: list[str]) -> dict[str, SinkFactory]:

@@ -1,17 +1,21 @@
-"""Hook plugin ``event_log``: torchrun's ``--event-log-handler=console``, which it owns.
+"""Hook plugin ``event_log``: what torchrun's ``--event-log-handler=console`` shows.
 
-One JSON object a line on stderr for each agent event, in the shape torchrun's console
-event handler logs (``name``, ``source``, ``timestamp`` in ms, ``metadata``). Silent
-unless the flag asks for it (``null``, the default). One ``EventLogPlugin`` per agent.
+One JSON object a line on stderr (through the ``elastic`` logger) for each agent event,
+in the shape torchrun's console event handler logs (``name``, ``source``, ``timestamp``
+in ms, ``metadata``). Silent unless the flag asks for it (``null``, the default). The
+flag is a core flag of ``elastic run`` (it is torchrun's, so it exists whether or not this
+plugin loads) and reaches the plugin as ``ElasticConfig.event_log_handler``; from Python,
+``LaunchConfig(event_log_handler="console")`` (or, as before, ``plugin_options``). One
+``EventLogPlugin`` per agent.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from elastic.core.log import say
 from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -19,9 +23,6 @@ if TYPE_CHECKING:
     from elastic.core.interfaces.rendezvous import RendezvousInfo
     from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec
     from elastic.core.plugin.config import ElasticConfig
-    from elastic.core.plugin.options import PluginOptionParser
-
-HANDLERS = ("null", "console")
 
 
 class EventLogPlugin:
@@ -38,20 +39,11 @@ class EventLogPlugin:
                 "timestamp": int(time.time() * 1000),
                 "metadata": metadata,
             }
-            print(json.dumps(event, default=str), file=sys.stderr, flush=True)
-
-    @hookimpl
-    def elastic_addoption(self, parser: PluginOptionParser) -> None:
-        parser.addoption(
-            "--event-log-handler",
-            default="null",
-            choices=HANDLERS,
-            help="Agent events as JSON lines: null (none) or console (stderr).",
-        )
+            say(json.dumps(event, default=str))
 
     @hookimpl
     def elastic_agent_start(self, spec: WorkerSpec, config: ElasticConfig) -> None:
-        self.enabled = config.option("event_log_handler") == "console"
+        self.enabled = "console" in (config.event_log_handler, config.option("event_log_handler"))
         self.emit("agent.start", role=spec.role, local_world_size=spec.local_world_size)
 
     @hookimpl

@@ -207,3 +207,51 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text()
     command = ci.strip().splitlines()[-1]
     assert command in readme
+
+
+def test_every_torchrun_flag_is_a_core_flag_of_run() -> None:
+    """torchrun 2.13's parser is the peer: each of its flags exists in ``elastic run``
+    whatever plugins load (those we do not provide are refused with a reason)."""
+    from elastic.cli.run import run_command
+    from torch.distributed.run import get_args_parser
+
+    ours = {name for p in run_command.params for name in (*p.opts, *p.secondary_opts)}
+    theirs = {
+        name
+        for action in get_args_parser()._actions
+        for name in action.option_strings
+        if name not in ("-h", "--help")
+    }
+    assert theirs <= ours, sorted(theirs - ours)
+
+
+def test_event_log_handler_exists_without_its_plugin(script: Path) -> None:
+    env = {"ELASTIC_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = run_elastic("run", "--standalone", "--event-log-handler=console", str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "elastic: --event-log-handler=console: the event_log plugin is disabled, "
+        "so no events are written"
+    ]
+    quiet = run_elastic("run", "--standalone", "--event_log_handler", "null", str(script), env=env)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_nproc_per_node_xpu_counts_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.cli import options
+
+    monkeypatch.setattr(options, "count_xpus", lambda: 3)
+    assert options.parse_nproc_per_node("xpu") == 3
+    monkeypatch.setattr(options, "count_xpus", lambda: pytest.fail("counted XPUs"))
+    assert options.parse_nproc_per_node("auto") >= 1
+
+
+def test_nproc_per_node_xpu_without_an_xpu_is_one_line(script: Path) -> None:
+    result = run_elastic("run", "--nproc-per-node=xpu", str(script), timeout=120)
+    if result.returncode == 0:
+        pytest.skip("this machine has an XPU")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "elastic run: error: Invalid value for '--nproc-per-node': "
+        "'xpu' was asked for but this machine has no visible XPU"
+    ]

@@ -24,14 +24,15 @@ agent and never imports torch.
 from __future__ import annotations
 
 import json
+import logging
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 from elastic.core.interfaces.job_keys import PREEMPT_KEY
 from elastic.core.interfaces.rendezvous import RendezvousError
 from elastic.core.interfaces.store import Store
+from elastic.core.log import say
 from elastic.core.workers.control_file import ControlFile
 from elastic.core.workers.process import WorkerProcess
 
@@ -105,11 +106,9 @@ def checkpoint_before_leaving(
     for them."""
     if not workers or grace <= 0 or not coordinator.control.listening():
         return
-    print(
+    say(
         f"elastic: {signal_name}: preemption notice; the job checkpoints before this node "
-        f"leaves (--preemption-grace {grace:g}s)",
-        file=sys.stderr,
-        flush=True,
+        f"leaves (--preemption-grace {grace:g}s)"
     )
     try:
         coordinator.announce({"node": node_id, "host": socket.gethostname(), "at": time.time()})
@@ -120,11 +119,10 @@ def checkpoint_before_leaving(
         return all(w.poll() is None for w in workers)
 
     if wait_for_save(coordinator, world_size, grace, alive):
-        print("elastic: the job's checkpoint is complete; leaving", file=sys.stderr, flush=True)
+        say("elastic: the job's checkpoint is complete; leaving")
     else:
-        print(
+        say(
             "elastic: no complete checkpoint within the grace; leaving anyway (the job "
             "resumes from its last complete checkpoint)",
-            file=sys.stderr,
-            flush=True,
+            logging.WARNING,
         )

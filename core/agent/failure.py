@@ -10,7 +10,7 @@ goes to ``elastic_run_failed`` (the errors plugin prints it).
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -20,6 +20,7 @@ from elastic.core.interfaces import failures as fail
 from elastic.core.interfaces.rendezvous import RendezvousHandler
 from elastic.core.interfaces.spec import WorkerGroup
 from elastic.core.interfaces.store import Store
+from elastic.core.log import say
 from elastic.core.plugin.host import PluginHost
 from elastic.core.workers.logs import WorkerLogs, failure_record, script_syntax_error
 from elastic.core.workers.process import WorkerProcess
@@ -119,7 +120,7 @@ def report_failure(store: Store | None, run_id: str, host: PluginHost | None, me
             host.call_strict("elastic_run_failed", summary=summary)
             reported = bool(impls)
         except Exception as exc:  # loud, but the exit code must still be right
-            print(f"elastic: failure reporting raised {exc!r}", file=sys.stderr)
+            say(f"elastic: failure reporting raised {exc!r}", logging.ERROR)
     if not reported:
-        print(f"elastic: run failed: {message}", file=sys.stderr, flush=True)
+        say(f"elastic: run failed: {message}", logging.ERROR)
     return summary.exit_code if summary is not None else 1

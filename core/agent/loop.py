@@ -17,9 +17,9 @@ hooks as anyone's. The agent never imports torch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
-import sys
 import time
 import uuid
 
@@ -47,6 +47,7 @@ from elastic.core.interfaces.rendezvous import (
 from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastic.core.interfaces.store import Store
 from elastic.core.interfaces.worker_watch import WorkerVerdict
+from elastic.core.log import say
 from elastic.core.plugin.config import ElasticConfig
 from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.local import LocalRendezvousHandler
@@ -168,7 +169,7 @@ class LocalElasticAgent(ElasticAgent):
             self._handler.leave()
         self._stop(signum, self._spec.shutdown_timeout)
         message = f"the agent received {name}; its workers were stopped"
-        print(f"elastic: {message}", file=sys.stderr, flush=True)
+        say(f"elastic: {message}", logging.WARNING)
         return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
 
     # --- the loop: rendezvous, start, watch, decide ----------------------------------------
@@ -192,7 +193,7 @@ class LocalElasticAgent(ElasticAgent):
                 result = self._attempt(info)
             except RendezvousFencedError as exc:
                 self._stop(signal.SIGTERM, FENCE_GRACE)
-                print(f"elastic: {exc}", file=sys.stderr, flush=True)
+                say(f"elastic: {exc}", logging.WARNING)
                 self._notify("elastic_restart", group=self._group, reason="fenced")
                 continue
             except RendezvousConnectionError as exc:
@@ -234,11 +235,9 @@ class LocalElasticAgent(ElasticAgent):
                     return self._final_failure("the job failed on another node")
             # The others finished the job while this node was out of it (fenced, or
             # between rounds). A scheduler must see success.
-            print(
+            say(
                 "elastic: the job finished on the other nodes while this node was "
-                "regrouping; nothing left to run",
-                file=sys.stderr,
-                flush=True,
+                "regrouping; nothing left to run"
             )
         return RunResult(WorkerState.SUCCEEDED, message="rendezvous is closed")
 
@@ -397,7 +396,7 @@ class LocalElasticAgent(ElasticAgent):
         )
 
     def _one_line_failure(self, message: str, exit_code: int = 1) -> RunResult:
-        print(f"elastic: {message}", file=sys.stderr, flush=True)
+        say(f"elastic: {message}", logging.ERROR)
         return RunResult(WorkerState.FAILED, exit_code=exit_code, message=message)
 
     # --- helpers --------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from elastic.core.workers.process import DEFAULT_SIGNALS
 
 __all__ = ["LaunchConfig", "SettingError", "per_local_rank", "signal_name"]
 
+EVENT_LOG_HANDLERS = ("null", "console")  # torch's names that mean something here
+
 
 @dataclass
 class LaunchConfig:
@@ -58,6 +60,7 @@ class LaunchConfig:
     preemption_signal: str = "SIGTERM"  # --preemption-signal (core/agent/checkpoint_on_notice.py)
     preemption_grace: float = 25.0  # --preemption-grace SECONDS; 0: leave at once
     quiet: bool = False  # --quiet: no progress lines (waiting for nodes, round changes)
+    event_log_handler: str = "null"  # torch's field: console writes agent events (event_log)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +84,11 @@ class LaunchConfig:
         if self.health_port is not None and not 1 <= self.health_port <= 65535:
             raise SettingError(
                 "health_port", f"{self.health_port} is not a port; expected 1..65535"
+            )
+        if self.event_log_handler not in EVENT_LOG_HANDLERS:
+            raise SettingError(
+                "event_log_handler",
+                f"{self.event_log_handler!r}: expected {' or '.join(EVENT_LOG_HANDLERS)}",
             )
         name = signal_name(self.preemption_signal)
         if name is None:

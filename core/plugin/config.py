@@ -35,6 +35,7 @@ class ElasticConfig:
     start_method: str = "spawn"
     log_dir: str | None = None
     local_addr: str | None = None
+    event_log_handler: str = "null"  # --event-log-handler: "console" asks for agent events
     plugin_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -13,13 +13,14 @@ kinds of wrappers); isolation of non-strict hooks is ``elastic.core.plugin.isola
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
 import pluggy
+from elastic.core.log import say
 from elastic.core.plugin import hookspecs
 from elastic.core.plugin.config import ElasticConfig
 from elastic.core.plugin.entry_points import (
@@ -47,7 +48,7 @@ def hook_plugin_allowed(name: str) -> bool:
 
 
 def _say(message: str) -> None:
-    print(f"elastic: {message}", file=sys.stderr, flush=True)
+    say(f"elastic: {message}", logging.WARNING)
 
 
 class PluginHost:

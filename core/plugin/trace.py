@@ -9,12 +9,12 @@ what it returned or raised and how long it took.
 from __future__ import annotations
 
 import reprlib
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import pluggy
+from elastic.core.log import say
 
 TRACE_ENV = "ELASTIC_TRACE_PLUGINS"
 
@@ -47,7 +47,10 @@ def tracer(
     started: dict[int, float] = {}
 
     def out(line: str) -> None:
-        print(f"elastic: trace: {line}", file=stream or sys.stderr, flush=True)
+        if stream is None:
+            say(f"elastic: trace: {line}")
+        else:
+            print(f"elastic: trace: {line}", file=stream, flush=True)
 
     def before(hook: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
         started[id(kwargs)] = time.perf_counter()

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from elastic.core.log import say
 
 ENV_ENABLE = "TORCHELASTIC_ENABLE_FILE_TIMER"
 ENV_FILE = "TORCHELASTIC_TIMER_FILE"
@@ -149,7 +151,7 @@ class FileTimerServer:
                     return
                 time.sleep(self._interval)
             except Exception as exc:  # a callback's bug must not end the server
-                print(f"elastic: file timer server: {exc!r}", file=sys.stderr, flush=True)
+                say(f"elastic: file timer server: {exc!r}", logging.WARNING)
 
     def _handle(self, line: bytes) -> None:
         if not line.strip():
@@ -159,7 +161,7 @@ class FileTimerServer:
         except (ValueError, KeyError, TypeError):
             self.bad_requests += 1
             if self.bad_requests == 1:
-                print(f"elastic: ignored a bad timer request: {line[:200]!r}", file=sys.stderr)
+                say(f"elastic: ignored a bad timer request: {line[:200]!r}", logging.WARNING)
             return
         self.requests += 1
         with self._lock:
@@ -183,19 +185,17 @@ class FileTimerServer:
             chosen = next((r for r in reqs if r.signal > 0), None)
             scopes = [r.scope_id for r in reqs]
             if chosen is None:
-                print(
+                say(
                     f"elastic: timer {', '.join(scopes)} of pid {pid} expired; it asked for"
                     " no signal, so it is left running",
-                    file=sys.stderr,
-                    flush=True,
+                    logging.WARNING,
                 )
                 continue
             if not self._owns(pid):
-                print(
+                say(
                     f"elastic: timer {chosen.scope_id!r} of pid {pid} expired, but pid {pid}"
                     " is not one of this agent's workers: not killed",
-                    file=sys.stderr,
-                    flush=True,
+                    logging.WARNING,
                 )
                 continue
             self.expired += 1

@@ -8,12 +8,13 @@ stderr, the worker's stacks are dumped, and its failure record names the scope.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import time
 from typing import TYPE_CHECKING
 
+from elastic.core.log import say
 from elastic.core.plugin.hookspecs import hookimpl
 from elastic.core.watchdog import file_timer
 
@@ -68,12 +69,11 @@ class FileTimerWatch:
         if rank is None or progress is None:
             return
         name = signal_name(req.signal)
-        print(
+        say(
             f"elastic: FileTimer scope {req.scope_id!r} of worker rank {progress.rank} "
             f"(pid {req.pid}) expired {time.time() - req.expiration_time:.1f}s ago; "
             f"sending it {name}",
-            file=sys.stderr,
-            flush=True,
+            logging.WARNING,
         )
         self.watch.dump({rank: progress.pid}, wait=0.5)
         self.watch.info.setdefault(rank, {}).update(

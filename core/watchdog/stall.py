@@ -22,14 +22,15 @@ ranks waiting in a collective come after every other one (``failures.summarize``
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic.core.interfaces.worker_watch import WorkerVerdict
+from elastic.core.log import say
 from elastic.core.plugin.hookspecs import hookimpl
 from elastic.core.watchdog import stacks
 from elastic.core.watchdog.beats import WorkerProgress
@@ -142,18 +143,17 @@ class StallDetector:
             first = min(stalled, key=lambda p: p.last_progress_wall)
             idle = first.idle(mono)
             self.watch.phase = f"stalled: worker rank {first.rank} made no progress for {idle:.1f}s"
-            print(
+            say(
                 f"elastic: stall: worker rank {first.rank} (local rank {first.local_rank}) made "
                 f"no progress for {idle:.1f}s (--stall-timeout {self.timeout:g}, last seen "
                 f"through {first.source}); dumping stacks, then restarting",
-                file=sys.stderr,
-                flush=True,
+                logging.WARNING,
             )
             if self._job is not None:
                 self._job.announce([p.rank for p in stalled], detected_at)
         else:
             self.watch.phase = "stalled on another node: dumping stacks, then restarting"
-            print("elastic: stall found on another node; dumping stacks", file=sys.stderr)
+            say("elastic: stall found on another node; dumping stacks", logging.WARNING)
         dumps = self.watch.dump({r: w.pid for r, w in alive.items()})
         idle = [
             p for r, p in self.watch.tracked.items() if r in alive and p.idle(mono) >= PEER_IDLE

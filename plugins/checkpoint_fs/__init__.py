@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import re
 import struct
-import sys
 from pathlib import Path
 from typing import IO
 
 from elastic.core.checkpoint import Reader, Writer
+from elastic.core.log import say
 
 MAGIC = b"ELCKPT1\n"
 HEADER = struct.Struct("<8sQ32s")
@@ -146,10 +147,10 @@ class FsCheckpointer:
         for step in self.steps():
             payload = self.read_payload(step)
             if payload is None:
-                print(
+                say(
                     f"elastic: checkpoint {self.path_for(step)} is incomplete or corrupt; "
                     "trying an older one",
-                    file=sys.stderr,
+                    logging.WARNING,
                 )
                 continue
             read(io.BytesIO(payload))

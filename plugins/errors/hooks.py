@@ -10,9 +10,9 @@ is a strict hook, so a summary that cannot be written fails loudly.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING
 
+from elastic.core.log import say
 from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -61,11 +61,7 @@ class ErrorsPlugin:
     def elastic_run_failed(self, summary: FailureSummary) -> None:
         from elastic.plugins.errors.summary import render_summary, write_summary_json
 
-        print(render_summary(summary), file=sys.stderr, flush=True)
+        say(render_summary(summary), logging.ERROR)
         if self.summary_path:
             write_summary_json(self.summary_path, summary)
-            print(
-                f"elastic: error summary written to {self.summary_path}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"elastic: error summary written to {self.summary_path}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousInfo
 from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.log import say
 from elastic.core.rendezvous.round import records as R
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ MAX_NAMES = 8  # names shown (and published) at most; the rest are counted
 
 
 def say_stderr(line: str) -> None:
-    """Write one whole line to stderr with a single write, then flush."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    """One whole line to the ``elastic`` logger (on stderr with one write, then a flush,
+    through the CLI's handler: ``core/log.py``)."""
+    say(line)
 
 
 def labels(ids: Sequence[str], hosts: Mapping[str, str]) -> dict[str, str]:
