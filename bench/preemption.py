@@ -49,7 +49,7 @@ from typing import Any
 
 from elastic.testing.benchmarking import add_report_options, in_scratch_dir, wait_for_quiet
 from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import last_step, preempt_job, read_events
+from elastic.testing.preemption_job import last_step, preempt_job, read_events
 from elastic.testing.waits import wait_until
 
 IMPLS = {"torchrun": "torchrun (c10d)", "ours": "ours (c10d)"}

@@ -46,140 +46,40 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import heapq
 import ipaddress
 import itertools
 import os
-import random
-import re
 import select
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from elastic.testing.netns import (  # noqa: F401  (public names of this module too)
+    ETC_NETNS,
+    NAME,
+    NETNS_DIR,
+    RELAY_FILTER,
+    STATE_DIR,
+    SUPERNET,
+    ClusterError,
+    batch,
+    cluster_available,
+    netem_available,
+    netns_id_of,
+    pids_in,
+    run,
+    running,
+    signal_all,
+    sweep_stale,
+)
 
-NETNS_DIR = Path("/run/netns")
-ETC_NETNS = Path("/etc/netns")
-STATE_DIR = Path("/run/elastic-cluster")
-SUPERNET = ipaddress.ip_network("198.18.0.0/15")
-# "elc<pid>c<n>s<subnet>" is a switch, "elc<pid>c<n>h<i>" a host, "elc<pid>probe" a probe.
-_NAME = re.compile(r"^elc(?P<pid>\d+)(?:c\d+(?:s(?P<subnet>\d+)|h\d+)|probe)$")
-_clusters = itertools.count()
-# Below the partition filters (pref 1), so partitioned traffic is dropped, not delayed.
-_RELAY_FILTER = "parent ffff: protocol all pref 100"
-
-
-class ClusterError(RuntimeError):
-    pass
-
-
-def _run(cmd: Sequence[str], stdin: str | None = None, check: bool = True) -> None:
-    """``check=False`` is for cleanup, where what is removed may already be gone."""
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        error = " ".join(proc.stderr.split())
-        raise ClusterError(f"`{' '.join(cmd[:6])}...` failed: {error}")
-
-
-def _batch(tool: str, netns: str, lines: list[str]) -> None:
-    """Run ``ip``/``tc`` command lines in ``netns`` with one process."""
-    _run([tool, "-n", netns, "-batch", "-"], stdin="\n".join(lines) + "\n")
-
-
-def _netns_id(netns: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(NETNS_DIR / netns)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _pids_in(netns_id: tuple[int, int] | None) -> list[int]:
-    """Processes whose network namespace is ``netns_id`` (zombies have none, so are left out)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                st = os.stat(f"/proc/{entry}/ns/net")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == netns_id:
-                pids.append(int(entry))
-    return pids
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _signal(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-@functools.cache
-def _probe() -> tuple[bool, str, bool]:
-    """(usable, why not, kernel has netem), found once per process by trying for real."""
-    if sys.platform != "linux" or os.geteuid() != 0:
-        return False, "network-namespace clusters need root on Linux", False
-    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if not shutil.which(tool)]
-    if missing:
-        return False, f"network-namespace clusters need {', '.join(missing)}", False
-    netns = f"elc{os.getpid()}probe"
-    try:
-        _run(["ip", "netns", "add", netns])
-        _batch("ip", netns, ["link add br0 type bridge", "link add p0 type veth peer name p1"])
-        netem = ["tc", "-n", netns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]
-        return True, "", subprocess.run(netem, capture_output=True).returncode == 0
-    except (ClusterError, OSError) as exc:
-        return False, f"cannot build a network-namespace cluster: {exc}", False
-    finally:
-        _run(["ip", "netns", "del", netns], check=False)
-
-
-def cluster_available() -> tuple[bool, str]:
-    ok, reason, _ = _probe()
-    return ok, reason
-
-
-def netem_available() -> bool:
-    return _probe()[2]
-
-
-def sweep_stale() -> list[str]:
-    """Remove namespaces, hosts files and UTS mounts whose creating process is dead, killing
-    what still runs in them; returns the namespace names removed."""
-    removed = []
-    for path in [*NETNS_DIR.glob("elc*"), *ETC_NETNS.glob("elc*"), *STATE_DIR.glob("elc*")]:
-        match = _NAME.match(path.name.removesuffix(".uts"))
-        if not match or _running(int(match["pid"])):
-            continue
-        if path.parent == NETNS_DIR:
-            _signal(_pids_in(_netns_id(path.name)), signal.SIGKILL)
-            _run(["ip", "netns", "del", path.name], check=False)
-            removed.append(path.name)
-        elif path.parent == ETC_NETNS:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            _run(["umount", "-l", str(path)], check=False)
-            path.unlink(missing_ok=True)
-    return removed
+_clusters = itertools.count()  # names this process's clusters
+RELAY_MODULE = "elastic.testing.netns"  # run in the switch: the stand-in for netem
 
 
 class Host:
@@ -232,7 +132,7 @@ class Host:
         """Live processes on this host: all in its namespace, plus any ``popen`` child not
         yet in it (between fork and ``ip netns exec``)."""
         started = {proc.pid for proc in self._procs if proc.poll() is None}
-        return sorted(started | set(_pids_in(self.netns_id)))
+        return sorted(started | set(pids_in(self.netns_id)))
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Send ``sig`` to every process on the host; for SIGKILL, return once none is left.
@@ -249,10 +149,10 @@ class Host:
                         os.killpg(proc.pid, sig)
                     except ProcessLookupError:  # it left its group: the scan finds it
                         pass
-            seen.update(pids := _pids_in(self.netns_id))
-            _signal(pids, sig)
+            seen.update(pids := pids_in(self.netns_id))
+            signal_all(pids, sig)
             # A dying process leaves its namespaces before it is done exiting: wait for all.
-            if sig != signal.SIGKILL or not (self.processes() or any(map(_running, seen))):
+            if sig != signal.SIGKILL or not (self.processes() or any(map(running, seen))):
                 return
             if time.monotonic() > deadline:
                 raise ClusterError(f"{self.name}: {self.processes()} survived SIGKILL")
@@ -302,17 +202,17 @@ class Cluster:
         with open(STATE_DIR / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             names = os.listdir(NETNS_DIR) if NETNS_DIR.is_dir() else []
-            taken = {m["subnet"] for m in map(_NAME.match, names) if m and m["subnet"]}
+            taken = {m["subnet"] for m in map(NAME.match, names) if m and m["subnet"]}
             index = next((i for i in range(512) if str(i) not in taken), None)
             if index is None:
                 raise ClusterError("all 512 /24 subnets of 198.18.0.0/15 are in use")
             self.switch = f"{self.tag}s{index}"
-            _run(["ip", "netns", "add", self.switch])
+            run(["ip", "netns", "add", self.switch])
         self.subnet = ipaddress.ip_network((int(SUPERNET.network_address) + 256 * index, 24))
         pid_cluster = self.tag.removeprefix("elc")
         for i, addr in zip(range(n_hosts), self.subnet.hosts(), strict=False):
             self.hosts.append(Host(i, f"node{i}-{pid_cluster}", str(addr), f"{self.tag}h{i}"))
-        _run(["ip", "-batch", "-"], stdin="".join(f"netns add {h.netns}\n" for h in self.hosts))
+        run(["ip", "-batch", "-"], stdin="".join(f"netns add {h.netns}\n" for h in self.hosts))
         # "addrgenmode none" (before "up", or it is too late): no IPv6 link-local address,
         # which would be an address outside 198.18.0.0/15.
         # Partitioned traffic is redirected to "drop", whose peer is down, so it vanishes.
@@ -322,10 +222,10 @@ class Cluster:
             switch.append(f"link add p{h.index} type veth peer name eth0 netns {h.netns}")
             switch.append(f"link set p{h.index} addrgenmode none")
             switch.append(f"link set p{h.index} master br0 up")
-        _batch("ip", self.switch, switch)
-        _batch("tc", self.switch, [f"qdisc add dev p{h.index} ingress" for h in self.hosts])
+        batch("ip", self.switch, switch)
+        batch("tc", self.switch, [f"qdisc add dev p{h.index} ingress" for h in self.hosts])
         for host in self.hosts:
-            host.netns_id = _netns_id(host.netns)
+            host.netns_id = netns_id_of(host.netns)
             lines = ["link set lo up", f"link set eth0 address {host.mac} addrgenmode none"]
             lines += [f"addr add {host.addr}/24 dev eth0", "link set eth0 up"]
             lines += [
@@ -333,7 +233,7 @@ class Cluster:
                 for p in self.hosts
                 if p is not host
             ]
-            _batch("ip", host.netns, lines)
+            batch("ip", host.netns, lines)
         hosts_file = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
         hosts_file += "".join(f"{h.addr} {h.name}\n" for h in self.hosts)
         for host in self.hosts:
@@ -343,18 +243,18 @@ class Cluster:
             # Nothing listens on 127.0.0.1:53 in the host, so a DNS lookup fails at once.
             (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             host.uts.touch()
-            _run(["unshare", f"--uts={host.uts}", "hostname", host.name])
+            run(["unshare", f"--uts={host.uts}", "hostname", host.name])
 
     def cut(self, host: Host) -> None:
-        _batch("ip", self.switch, [f"link set p{host.index} down"])
+        batch("ip", self.switch, [f"link set p{host.index} down"])
 
     def heal(self, host: Host | None = None) -> None:
         """Undo ``cut(host)``; without a host, undo every cut and every partition."""
         ports = self.hosts if host is None else [host]
-        _batch("ip", self.switch, [f"link set p{h.index} up" for h in ports])
+        batch("ip", self.switch, [f"link set p{h.index} up" for h in ports])
         if host is None and self._partitioned:
             dels = [f"filter del dev p{i} parent ffff: pref 1" for i in self._partitioned]
-            _batch("tc", self.switch, dels)
+            batch("tc", self.switch, dels)
             self._partitioned.clear()
 
     def partition(self, side_a: Sequence[Host], side_b: Sequence[Host]) -> None:
@@ -367,7 +267,7 @@ class Cluster:
                     f" match ip dst {dst.addr}/32 action mirred egress redirect dev drop"
                 )
                 self._partitioned.add(src.index)
-        _batch("tc", self.switch, lines)
+        batch("tc", self.switch, lines)
 
     def latency(
         self, host: Host, delay_ms: float, jitter_ms: float = 0, loss_pct: float = 0
@@ -377,12 +277,22 @@ class Cluster:
         self.clear_latency(host)
         if self.shaper == "netem":
             netem = f"delay {delay_ms}ms {jitter_ms}ms loss {loss_pct}%"
-            _batch("tc", host.netns, [f"qdisc replace dev eth0 root netem {netem}"])
+            batch("tc", host.netns, [f"qdisc replace dev eth0 root netem {netem}"])
             self._shaped[host.index] = None
             return
         tap, args = f"d{host.index}", [str(delay_ms), str(jitter_ms), str(loss_pct)]
         relay = subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, sys.executable, "-m", __name__, tap, *args],
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.switch,
+                sys.executable,
+                "-m",
+                "elastic.testing.netns",
+                tap,
+                *args,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -393,19 +303,19 @@ class Cluster:
         if started != "ready\n":
             relay.kill()
             raise ClusterError(f"delay relay for {host.name} failed: {relay.communicate()[1]}")
-        _batch("ip", self.switch, [f"link set {tap} up"])
+        batch("ip", self.switch, [f"link set {tap} up"])
         redirect = f"u32 match u32 0 0 action mirred egress redirect dev {tap}"
-        _batch("tc", self.switch, [f"filter add dev p{host.index} {_RELAY_FILTER} {redirect}"])
+        batch("tc", self.switch, [f"filter add dev p{host.index} {RELAY_FILTER} {redirect}"])
 
     def clear_latency(self, host: Host) -> None:
         if host.index not in self._shaped:
             return
         relay = self._shaped.pop(host.index)
         if relay is None:
-            _batch("tc", host.netns, ["qdisc del dev eth0 root"])
+            batch("tc", host.netns, ["qdisc del dev eth0 root"])
             return
         # Unhook before stopping the relay: a redirect to a vanished tap would black-hole.
-        _batch("tc", self.switch, [f"filter del dev p{host.index} {_RELAY_FILTER}"])
+        batch("tc", self.switch, [f"filter del dev p{host.index} {RELAY_FILTER}"])
         relay.kill()
         relay.communicate()
 
@@ -424,14 +334,14 @@ class Cluster:
                 for stream in (proc.stdin, proc.stdout, proc.stderr):
                     if stream is not None:
                         stream.close()
-        _signal(_pids_in(_netns_id(self.switch)), signal.SIGKILL)  # delay relays
+        signal_all(pids_in(netns_id_of(self.switch)), signal.SIGKILL)  # delay relays
         for relay in self._shaped.values():
             if relay is not None:
                 relay.communicate()
         for netns in self.namespaces:  # taking the veths with them
-            _run(["ip", "netns", "del", netns], check=False)
+            run(["ip", "netns", "del", netns], check=False)
         for host in self.hosts:
-            _run(["umount", "-l", str(host.uts)], check=False)
+            run(["umount", "-l", str(host.uts)], check=False)
             host.uts.unlink(missing_ok=True)
             shutil.rmtree(ETC_NETNS / host.netns, ignore_errors=True)
         if failures:
@@ -460,31 +370,3 @@ def cluster_factory() -> Iterator[Callable[..., Cluster]]:
     yield make
     for cluster in made:
         cluster.close()
-
-
-def _relay(tap: str, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
-    """Stand-in for netem, run in the switch: read the frames redirected to ``tap`` and
-    send them into the bridge once their delay is up (it forwards them by MAC as before)."""
-    tun = os.open("/dev/net/tun", os.O_RDWR)
-    tunsetiff, iff_tap, iff_no_pi = 0x400454CA, 0x0002, 0x1000
-    fcntl.ioctl(tun, tunsetiff, struct.pack("16sH", tap.encode(), iff_tap | iff_no_pi))
-    sender = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-    sender.bind(("br0", 0))
-    print("ready", flush=True)
-    queue: list[tuple[float, int, bytes]] = []
-    for seq in itertools.count():
-        wait = max(0.0, queue[0][0] - time.monotonic()) if queue else None
-        if select.select([tun], [], [], wait)[0]:
-            frame = os.read(tun, 65536)
-            if random.random() * 100 >= loss_pct:
-                delay = max(0.0, delay_ms + random.uniform(-jitter_ms, jitter_ms)) / 1000
-                heapq.heappush(queue, (time.monotonic() + delay, seq, frame))
-        while queue and queue[0][0] <= time.monotonic():
-            try:
-                sender.send(heapq.heappop(queue)[2])
-            except OSError:  # e.g. ENOBUFS: the frame is lost, as on a congested wire
-                pass
-
-
-if __name__ == "__main__":
-    _relay(sys.argv[1], *map(float, sys.argv[2:5]))

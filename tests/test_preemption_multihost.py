@@ -29,14 +29,8 @@ from pathlib import Path
 
 import pytest
 from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import (
-    PREEMPT_WORKER,
-    FaultJob,
-    last_step,
-    preempt_job,
-    read_events,
-    wait_until,
-)
+from elastic.testing.multihost import FaultJob, wait_until
+from elastic.testing.preemption_job import PREEMPT_WORKER, last_step, preempt_job, read_events
 
 pytestmark = pytest.mark.slow
 
