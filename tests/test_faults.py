@@ -183,6 +183,24 @@ def test_cut_node_stops_its_workers_and_rejoins_after_heal(
     )
 
 
+@pytest.mark.timeout(120)
+def test_c10d_store_host_preempted_hands_the_store_over(start_job: Callable[..., Setup]) -> None:
+    """SIGTERM to the agent hosting the c10d store: the store moves to a survivor's agent,
+    the job regroups without spending a restart and finishes."""
+    setup = start_job("c10d")  # heartbeat defaults: 1 s, timeout 5 s
+    store_host, *survivors = setup.nodes
+    node = setup.job.nodes[store_host.name]
+    signalled = time.time()
+    os.kill(node.proc.pid, signal.SIGTERM)
+    took = regrouped(setup, survivors, signalled, TERM_LIMIT, "c10d store host SIGTERM")
+    assert node.wait(timeout=30) == 128 + signal.SIGTERM, node.text()
+    assert "handed the c10d rendezvous store over" in node.text(), node.text()
+    no_restart_spent(setup.job)
+    slowest = setup.finish(survivors)
+    assert slowest <= EXIT_LIMIT, f"survivors exited {slowest:.2f}s after finishing"
+    print(f"c10d store host SIGTERM: regrouped in {took:.2f}s, exited {slowest:.2f}s later")
+
+
 @pytest.mark.timeout(90)
 def test_c10d_store_loss_stops_every_survivor_with_one_line(
     start_job: Callable[..., Setup],

@@ -453,10 +453,13 @@ def test_no_store_no_host_is_a_connection_error(port: int) -> None:
 
 
 def test_host_shutdown_waits_for_the_other_members(make: Make) -> None:
+    """Once the job is finished, the host serves until the others are out (a host that
+    leaves a running job hands the store over instead)."""
     handlers = [make(2) for _ in range(2)]
     rendezvous_all(handlers)
     host = next(h for h in handlers if h.is_hosting)
     other = next(h for h in handlers if not h.is_hosting)
+    host.set_closed()
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         done = pool.submit(host.shutdown)
@@ -598,3 +601,26 @@ def test_a_presence_connection_that_comes_back_is_not_a_death(make: Make) -> Non
         sock.shutdown(socket.SHUT_RDWR)
     time.sleep(2.0)  # four times the grace
     assert all(h.lost_nodes() == [] for h in handlers)
+
+
+def test_the_store_moves_when_its_host_leaves(make: Make) -> None:
+    """The hosting agent leaves on notice: it hands every key to the first member's
+    standby store, the others follow it there, regroup without it and can finish."""
+    handlers = [make(2, 3) for _ in range(3)]
+    infos = rendezvous_all(handlers)
+    check_round(infos, 3)
+    host = next(h for h in handlers if h.is_hosting)
+    others = [h for h in handlers if h is not host]
+    assert not any(h.is_hosting for h in others)
+    started = time.monotonic()
+    host.leave()
+    assert wait_until(lambda: all(h.lost_nodes() == [host.node_id] for h in others), 5)
+    again = rendezvous_all(others)
+    check_round(again, 2)
+    assert time.monotonic() - started < 3
+    assert host.node_id not in again[0].members
+    assert again[0].round == infos[0].round + 1  # the round counter came along
+    assert [h.is_hosting for h in others].count(True) == 1
+    others[0].set_closed()
+    assert wait_until(lambda: all(h.is_closed() for h in others), 5)
+    host.shutdown()

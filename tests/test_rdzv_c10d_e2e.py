@@ -186,6 +186,29 @@ def test_a_killed_agent_is_seen_at_once_not_after_heartbeat_timeout(job) -> None
     finish(survivors, job.stop)
 
 
+def test_the_store_moves_when_its_host_is_preempted(job) -> None:  # noqa: ANN001
+    """SIGTERM to the agent hosting the store: it hands the store to a member, the others
+    regroup without it (no restart) and finish the job with exit 0."""
+    trio = [job.host("2:3"), job("2:3"), job("2:3")]
+    assert wait_until(lambda: all(any(r[1] == 3 for r in a.results()) for a in trio), 60), "".join(
+        a.text() for a in trio
+    )
+    host, survivors = trio[0], trio[1:]
+    host.proc.send_signal(signal.SIGTERM)
+    noticed = time.monotonic()
+    formed = re.compile(r"round \d+ formed: 2 nodes \(was 3\)")
+    assert wait_until(lambda: all(formed.search(a.text()) for a in survivors), 20), (
+        host.text() + survivors[0].text()
+    )
+    elapsed = time.monotonic() - noticed
+    print(f"survivors formed a new round {elapsed:.2f}s after the store host's SIGTERM")
+    assert elapsed < 3
+    assert host.wait(30) == 128 + signal.SIGTERM
+    assert "handed the c10d rendezvous store over" in host.text()
+    finish(survivors, job.stop)
+    assert all(r[3] == 0 for a in survivors for r in a.results())  # no restart spent
+
+
 def test_sigkill_of_the_hosting_agent_fails_the_others_clearly(job) -> None:  # noqa: ANN001
     host = job.host("2")
     others = [job("2")]

@@ -34,6 +34,11 @@ def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | 
     return host, int(port_text)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of ``parse_endpoint``: ``host:port``, or ``[v6]:port``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def resolve(host: str, port: int) -> list[tuple[int, str]]:
     """(family, address) pairs for ``host``, IPv4 first (what other nodes most likely
     use). Raises ``OSError`` (``socket.gaierror``) when the name does not resolve."""

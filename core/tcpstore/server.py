@@ -18,6 +18,7 @@ import logging
 import selectors
 import socket
 import threading
+from collections.abc import Mapping
 
 from elastic.core.tcpstore import wire
 from elastic.core.tcpstore.wire import Query
@@ -59,7 +60,14 @@ class TCPStoreServer:
     It serves until ``close()``: unlike torch's, dropping the last reference does not
     stop it (its thread holds one)."""
 
-    def __init__(self, host: str = "", port: int = 0, *, sock: socket.socket | None = None):
+    def __init__(
+        self,
+        host: str = "",
+        port: int = 0,
+        *,
+        sock: socket.socket | None = None,
+        data: Mapping[bytes, bytes] | None = None,
+    ):
         if sock is None:
             if host == "" and socket.has_dualstack_ipv6():
                 sock = socket.create_server(
@@ -73,7 +81,7 @@ class TCPStoreServer:
         sock.setblocking(False)
         self._listener = sock
         self.port: int = sock.getsockname()[1]
-        self._data: dict[bytes, bytes] = {}
+        self._data: dict[bytes, bytes] = dict(data or {})  # ``data``: served from the start
         self._waiters: dict[bytes, set[_Conn]] = {}
         self._conns: dict[socket.socket, _Conn] = {}
         self._sel = selectors.DefaultSelector()
@@ -105,6 +113,16 @@ class TCPStoreServer:
         # byte above is sent, which must not then meet a closed socket.
         self._wake_r.close()
         self._wake_w.close()
+
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key`` is set now (a read of one dict entry: safe from any thread)."""
+        return key in self._data
+
+    def close_and_take(self) -> dict[bytes, bytes]:
+        """Stop serving (as ``close``) and return every key and value as they were last:
+        nothing can change them once the loop has stopped (a store handed over)."""
+        self.close()
+        return dict(self._data)
 
     def __enter__(self) -> TCPStoreServer:
         return self

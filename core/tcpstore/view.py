@@ -4,6 +4,7 @@ key prefix: what the c10d and static backends (and ``elastic status``) use."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -11,6 +12,18 @@ from typing import Any
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
+
+# Set on a store that an agent keeps ready to take the job's over (c10d's handover):
+# ``IDLE`` while it only waits, ``RECEIVING`` while a leaving host copies the job's keys
+# into it (set before that host stops serving), gone once it is the job's store.
+STANDBY_KEY = "elastic/standby"
+IDLE, RECEIVING = b"idle", b"receiving"
+# Operations that may be sent again after the store moved: repeating them changes nothing.
+# ``add`` is not (a counter would count twice); its caller sees the connection error.
+REPEATABLE = frozenset({"set", "get", "check", "multi_get", "multi_set", "compare_set"})
+# How long a handover in progress (a standby ``RECEIVING``) is waited for: copying the
+# keys takes milliseconds for small jobs, about a second for a thousand nodes.
+HANDOVER_WAIT = 10.0
 
 
 class Connection:
@@ -26,6 +39,9 @@ class Connection:
 
     def __init__(self, host: str, port: int, timeout: float, gone_hint: str = "") -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        # Where the store may have moved to (c10d's handover), tried in order when this
+        # one stops answering; empty: the store cannot move.
+        self.successors: list[tuple[str, int]] = []
         self.gone_hint = gone_hint
         self.where = f"{host}:{port}"
         self._client: TCPStoreClient | None = None
@@ -53,23 +69,73 @@ class Connection:
         try:
             client = self._current()
             return getattr(client, op)(*args)
-        except RendezvousStoreGoneError as exc:
-            raise self._gone(exc) from None
-        except RendezvousConnectionError:
+        except RendezvousConnectionError as exc:
             self.reset()
-            raise
+            if not self.find_moved_store():
+                raise self._final(exc) from None
+            if op not in REPEATABLE:
+                raise
+            return getattr(self._current(), op)(*args)
+
+    def find_moved_store(self) -> bool:
+        """After this store stopped answering: look for it at its successors and switch
+        there. False at once when it did not move (no successors, or every one still an
+        idle standby: its host died), after ``HANDOVER_WAIT`` when a handover never ends."""
+        with self._lock:
+            candidates = [c for c in self.successors if c != (self.host, self.port)]
+        deadline = time.monotonic() + HANDOVER_WAIT
+        while candidates and time.monotonic() < deadline and not self._closed:
+            receiving = False
+            for host, port in candidates:
+                try:
+                    client = TCPStoreClient(host, port, min(self.timeout, 2.0))
+                except RendezvousConnectionError:
+                    continue
+                try:
+                    (mark,) = client.multi_get([STANDBY_KEY], False)
+                except RendezvousConnectionError:
+                    mark = IDLE
+                if not mark:
+                    self._move_to(host, port, client)
+                    return True
+                client.close()
+                receiving = receiving or mark == RECEIVING
+            if not receiving:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _move_to(self, host: str, port: int, client: TCPStoreClient) -> None:
+        with self._lock:
+            old, self._client = self._client, client
+            self.host, self.port, self.where = host, port, f"{host}:{port}"
+            self._present = set()
+            idle, self._idle_waiters = self._idle_waiters, []
+        for stale in [old, *idle]:
+            if stale is not None:
+                stale.close()
 
     def wait(self, keys: list[str], timeout: timedelta | None) -> None:
-        """``TCPStoreClient.wait`` on a waiting connection (see the class)."""
-        client = self._take_waiter()
+        """``TCPStoreClient.wait`` on a waiting connection (see the class). A store that
+        moved meanwhile is a ``RendezvousConnectionError``: the caller waits again."""
+        try:
+            client = self._take_waiter()
+        except RendezvousConnectionError as exc:
+            if not self.find_moved_store():
+                raise self._final(exc) from None
+            client = self._take_waiter()
         try:
             client.wait(keys, timeout)
         except StoreTimeoutError:
             self._return_waiter(client)  # the WAIT was cancelled: the stream is in step
             raise
-        except RendezvousStoreGoneError as exc:
+        except RendezvousConnectionError as exc:
             self._drop_waiter(client)
-            raise self._gone(exc) from None
+            if self.find_moved_store():
+                raise RendezvousConnectionError(
+                    f"the store moved to {self.where} during a wait"
+                ) from None
+            raise self._final(exc) from None
         except BaseException:
             self._drop_waiter(client)
             raise
@@ -105,6 +171,10 @@ class Connection:
         with self._lock:
             self._busy_waiters.discard(client)
         client.close()
+
+    def _final(self, exc: RendezvousConnectionError) -> RendezvousConnectionError:
+        """What to raise for ``exc`` once the store did not move."""
+        return self._gone(exc) if isinstance(exc, RendezvousStoreGoneError) else exc
 
     def _gone(self, exc: RendezvousStoreGoneError) -> RendezvousStoreGoneError:
         hint = f"; {self.gone_hint}" if self.gone_hint else ""

@@ -1,5 +1,16 @@
 """``C10dRendezvousHandler``: the shared round over one TCPStore, which the agent whose
-machine owns the endpoint's address hosts."""
+machine owns the endpoint's address hosts.
+
+The store moves when its host leaves on notice (preemption, scale-in, Ctrl-C): every
+other agent keeps an empty standby store (marked with ``STANDBY_KEY``) and publishes its
+address in its join records; the leaving host writes its departure, stops serving, copies
+every key to the first standby of the round's members in rank order and removes that
+store's mark. The others' connections find it there (``Connection.find_moved_store``:
+the round's standbys in the same order, skipping marked ones) and the job regroups
+without the host, spending no restart. A host that dies without notice takes the store
+with it (the others exit with one line); a late joiner knows only ``--rdzv-endpoint``, so
+it cannot find a store that moved.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousParameters
+from elastic.core.log import say
 from elastic.core.rendezvous import net
+from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
 from elastic.core.rendezvous.round.settings import RoundSettings
-from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
+from elastic.core.tcpstore.view import IDLE, RECEIVING, STANDBY_KEY, Connection, PrefixStore
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
     host_store,
@@ -79,6 +93,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self.host, self.port = parse_endpoint(params.endpoint)
         where = f"{self.host}:{self.port}"
         self._server: Any = None
+        self._standby: TCPStoreServer | None = None  # ready to take the store over
+        self._elastic = params.min_nodes < params.max_nodes  # nodes may join later
+        self._conns: list[Connection] = []
         self._may_host = not params.read_only and is_host is not False
         if not self._try_hosting():
             if is_host and not params.read_only:
@@ -92,6 +109,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             self._connect(params, settings)
         except BaseException:
             self._stop_hosting()
+            if self._standby is not None:
+                self._standby.close()
             raise
 
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
@@ -103,18 +122,26 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             first_contact(agent_conn, prefix, settings.read_timeout, self._try_hosting)
             agent_conn.open_waiter()
         monitor_store = None
+        self._conns = [agent_conn]
+        addr = params.local_addr or net.route_address(self.host, self.port)
+        standby = ""
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
             monitor_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
             monitor_conn.call("check", [prefix])
             monitor_store = PrefixStore(monitor_conn, prefix)
+            self._conns.append(monitor_conn)
+            if self._server is None:
+                self._standby = TCPStoreServer(addr, 0, data={wire_key(STANDBY_KEY): IDLE})
+                standby = net.join_host_port(addr, self._standby.port)
         super().__init__(
             params,
             settings,
             "c10d",
             PrefixStore(agent_conn, prefix),
             monitor_store,
-            params.local_addr or net.route_address(self.host, self.port),
+            addr,
+            standby,
         )
 
     def _try_hosting(self) -> bool:
@@ -127,6 +154,12 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             return False
         self._server = host_store(sock)
         log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
+        if self._elastic:
+            say(
+                f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
+                "leaves, the store moves to another member, and nodes that join after that "
+                "cannot find it there (--rdzv-backend=etcd-v3 has no such limit)"
+            )
         return True
 
     def _stop_hosting(self) -> None:
@@ -136,9 +169,59 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
 
     @property
     def is_hosting(self) -> bool:
-        return self._server is not None
+        return self._server is not None or self._took_over()
+
+    def _took_over(self) -> bool:
+        """Our standby store was handed the job's: we host it now."""
+        standby = self._standby
+        return standby is not None and not standby.holds(wire_key(STANDBY_KEY))
+
+    def round_formed(self, asg: R.Assignment) -> None:
+        successors = [parse_endpoint(s) for s in asg.standbys if s]
+        for conn in self._conns:
+            conn.successors = successors
+
+    def leave(self) -> None:
+        super().leave()  # the departure is written first: it travels with the store
+        if self._server is not None and self._current is not None:
+            self._hand_over(self._current)
+
+    def _hand_over(self, asg: R.Assignment) -> None:
+        """Copy every key to the first member's standby that takes it, then stop.
+
+        The standby is told it is receiving before this store stops answering, so the
+        others' connections wait for it rather than take our closing for a death."""
+        pairs = zip(asg.members, asg.standbys, strict=False)
+        data: dict[bytes, bytes] | None = None  # taken when the first standby answers
+        for standby in [s for member, s in pairs if s and member != self.node_id]:
+            host, port = parse_endpoint(standby)
+            try:
+                client = TCPStoreClient(host, port, self.settings.read_timeout)
+            except RendezvousConnectionError:
+                continue
+            try:
+                client.set(STANDBY_KEY, RECEIVING)
+                if data is None:
+                    data = self._server.close_and_take()
+                    self._server = None
+                for chunk in _chunks(data):
+                    client.multi_set([k for k, _ in chunk], [v for _, v in chunk])
+                client.delete_key(STANDBY_KEY)  # last: now it is the job's store
+            except RendezvousConnectionError as exc:
+                log.warning("c10d rendezvous: could not hand the store to %s: %s", standby, exc)
+                continue
+            finally:
+                client.close()
+            say(f"elastic: handed the c10d rendezvous store over to {standby}; leaving")
+            return
+        log.warning("c10d rendezvous: no member took the store over; the job loses it")
 
     def after_shutdown(self) -> None:
+        if self._took_over():  # serve as the host we became, below
+            self._server, self._standby = self._standby, None
+        if self._standby is not None:
+            self._standby.close()
+            self._standby = None
         if self._server is not None:
             deadline = time.monotonic() + self.settings.close_timeout
             self.wait_for_members(self.settings.close_timeout)
@@ -154,3 +237,26 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                     self._server.clients,
                 )
             self._stop_hosting()
+
+
+CHUNK_BYTES = 4 << 20  # per MULTI_SET of a handover, well under a request's 64 MiB cap
+
+
+def _chunks(data: dict[bytes, bytes]) -> list[list[tuple[str, bytes]]]:
+    """The store's keys as a client names them (without the wire's prefix, which the
+    client adds again), in MULTI_SETs of at most about ``CHUNK_BYTES``."""
+    chunks: list[list[tuple[str, bytes]]] = [[]]
+    size = 0
+    for raw, value in data.items():
+        key = raw.decode("utf-8", "surrogateescape").removeprefix(wire.KEY_PREFIX)
+        if chunks[-1] and size + len(raw) + len(value) > CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((key, value))
+        size += len(raw) + len(value)
+    return chunks
+
+
+def wire_key(key: str) -> bytes:
+    """``key`` as a server holds it (what a client sends for it)."""
+    return (wire.KEY_PREFIX + key).encode()

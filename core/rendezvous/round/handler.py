@@ -49,7 +49,10 @@ class RoundRendezvousHandler(RendezvousHandler):
         job_store: CoordinationStore,
         monitor_store: CoordinationStore | None,
         addr: str,
+        standby: str = "",
     ) -> None:
+        """``standby``: where this node keeps a store ready to take over the job's
+        (``host:port``, published in its join records), "" for none."""
         self.params = params
         self.settings = settings
         self.backend = backend
@@ -74,6 +77,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             "fp": dict(params.fingerprint),
             "rank_hint": settings.node_rank,
             "presence": self._presence.port if self._presence is not None else 0,
+            "standby": standby,
         }
         self.protocol = RoundProtocol(
             self.rdzv_store,
@@ -159,6 +163,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         rank = asg.members.index(self.node_id)
         self._current = asg
         monitor.set_round(asg, rank)
+        self.round_formed(asg)
         return RendezvousInfo(
             store=self.job_store,
             rank=rank,
@@ -249,6 +254,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         for store in (self._monitor_store, self.job_store):
             if store is not None:
                 store.close()
+
+    def round_formed(self, asg: R.Assignment) -> None:
+        """A round with this node in it formed (c10d: learn where the store may move)."""
 
     def after_shutdown(self) -> None:
         """What a backend does once this node is out (c10d: keep a hosted store up for

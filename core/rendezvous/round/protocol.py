@@ -352,6 +352,9 @@ class RoundProtocol:
             max_nodes=self.s.max_nodes,
             hosts=[str(rec.get("host", "")) for rec in chosen],
             presence_port=_port(chosen[0].get("presence")),
+            standbys=[
+                rec["standby"] if isinstance(rec.get("standby"), str) else "" for rec in chosen
+            ],
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",
@@ -375,3 +378,8 @@ def _counter(raw: bytes) -> int:
 def _port(value: Any) -> int:
     """A port from a join record; anything else (an older agent's record) is 0: none."""
     return value if isinstance(value, int) and 0 < value < 65536 else 0
+
+
+def _text(value: Any) -> str:
+    """A string from a join record; anything else (an older agent's record) is ""."""
+    return value if isinstance(value, str) else ""

@@ -161,6 +161,9 @@ class Assignment:
     max_nodes: int = 0
     hosts: list[str] = field(default_factory=list)  # the members' hostnames, by node rank
     presence_port: int = 0  # rank 0's presence port (presence.py) at master_addr; 0: none
+    # By node rank: where each member keeps a store ready to take over the job's (c10d's
+    # handover, "host:port"), "" for none.
+    standbys: list[str] = field(default_factory=list)
     sig: str | None = None
 
     def to_json(self, token: bytes | None, run_id: str) -> str:
