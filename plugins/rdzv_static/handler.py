@@ -11,7 +11,7 @@ The workers use this store too, as under torchrun: ``MASTER_ADDR:MASTER_PORT`` i
 connects to it as a client (``init_method="tcp://host:--master-port"`` works, as does
 ``env://``). torch 2.13 gives the workers' keys no per-attempt prefix (``/default_pg/...``
 in every attempt), so node 0 deletes every key outside ``<run_id>/`` before it publishes
-a round (``clear_worker_keys``): no attempt ever reads a key an earlier one left.
+a round (``_clear_worker_keys``): no attempt ever reads a key an earlier one left.
 
 Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
 
@@ -242,7 +242,10 @@ class StaticRendezvousHandler(RendezvousHandler):
         workers before it does; no worker of an earlier round is left to write.
         """
         assert self._server is not None  # node 0 publishes, and node 0 hosts
-        gone = self._server.clear(keep_prefix=(wire.KEY_PREFIX + self.prefix).encode())
+        try:
+            gone = self._server.clear(keep_prefix=(wire.KEY_PREFIX + self.prefix).encode())
+        except RuntimeError as exc:  # the server's loop ended: the store is gone
+            raise RendezvousConnectionError(f"static rendezvous store: {exc}") from None
         log.debug("static rendezvous round %d: cleared %d worker keys", round_, gone)
 
     def _parse_assignment(self, value: Any, key: str) -> dict[str, Any]:
