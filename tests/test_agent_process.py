@@ -150,31 +150,37 @@ import json, os, sys
 with open(os.path.join(sys.argv[1], f"env_{os.environ['LOCAL_RANK']}.json"), "w") as f:
     json.dump(dict(os.environ), f)
 """
-# Values that differ by design: fresh ports and ids per run, paths under the run's log dir,
-# and the store: torchrun's workers reuse the agent's TCPStore, ours host their own.
-EXPECTED_DIFFERENCES = {
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_ERROR_FILE",
-    "TORCHELASTIC_USE_AGENT_STORE",
-}
+# Values that differ by design: ids per run, paths under the run's log dir, and the port
+# (each launcher runs on a free one of its own).
+EXPECTED_DIFFERENCES = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
 
 @pytest.mark.slow
-def test_cli_worker_env_matches_torchrun(tmp_path: Path) -> None:
-    from conftest import cli_env, run_elastic
+@pytest.mark.parametrize("backend", ["standalone", "static"])
+def test_cli_worker_env_matches_torchrun(tmp_path: Path, backend: str) -> None:
+    """The same variables with the same values as torchrun's, but for the store: with
+    --standalone (torchrun's c10d) torchrun's workers share its agent's store and ours
+    get a fresh one per round (``TORCHELASTIC_USE_AGENT_STORE`` True vs False); with
+    static (torchrun's default) both use node 0's store on --master-port."""
+    from conftest import cli_env, free_port, run_elastic
 
     dump = script(tmp_path, "dump_env.py", DUMP_ENV)
     env = cli_env()
     env.pop("OMP_NUM_THREADS", None)
-    envs = {}
+    envs, ports = {}, {}
     for name, cmd in {
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
         "elastic": [sys.executable, "-m", "elastic", "run"],
     }.items():
         out = tmp_path / name
         out.mkdir()
-        flags = ["--standalone", "--nproc-per-node=2", "--max-restarts=2", "--role=trainer"]
+        flags = ["--nproc-per-node=2", "--max-restarts=2", "--role=trainer"]
+        if backend == "standalone":
+            flags.append("--standalone")
+        else:
+            ports[name] = free_port()
+            flags += ["--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1"]
+            flags += ["--rdzv-backend=static", f"--master-port={ports[name]}"]
         if name == "torchrun":
             proc = subprocess.run(
                 [*cmd, *flags, dump, str(out)],
@@ -187,16 +193,27 @@ def test_cli_worker_env_matches_torchrun(tmp_path: Path) -> None:
             proc = run_elastic("run", *flags, dump, str(out), env=env)
         assert proc.returncode == 0, proc.stderr
         envs[name] = [json.loads((out / f"env_{r}.json").read_text()) for r in range(2)]
+    expected = EXPECTED_DIFFERENCES
+    if backend == "standalone":
+        expected = expected | {"TORCHELASTIC_USE_AGENT_STORE"}
     for ours, theirs in zip(envs["elastic"], envs["torchrun"], strict=True):
         # Our own channels to the worker (preemption control, progress) come on top.
         extras = {k for k in ours if k.startswith("ELASTIC_")} - set(theirs)
         assert extras <= {"ELASTIC_CONTROL_FILE", "ELASTIC_PROGRESS_FILE"}, extras
         assert sorted(set(ours) - extras) == sorted(theirs)
         differing = {k for k in theirs if ours[k] != theirs[k]}
-        assert differing <= EXPECTED_DIFFERENCES, {k: (ours[k], theirs[k]) for k in differing}
-        assert ours["MASTER_ADDR"] == theirs["MASTER_ADDR"] == "localhost"
+        assert differing <= expected, {k: (ours[k], theirs[k]) for k in differing}
         assert ours["OMP_NUM_THREADS"] == theirs["OMP_NUM_THREADS"] == "1"
-        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        if backend == "standalone":
+            assert ours["MASTER_ADDR"] == theirs["MASTER_ADDR"] == "localhost"
+            assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+            assert theirs["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        else:
+            assert ours["MASTER_ADDR"] == theirs["MASTER_ADDR"] == "127.0.0.1"
+            assert ours["MASTER_PORT"] == str(ports["elastic"])
+            assert theirs["MASTER_PORT"] == str(ports["torchrun"])
+            assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+            assert theirs["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 GLOO = """

@@ -55,7 +55,7 @@ def test_import_does_not_load_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_two_nodes_ranks_and_fresh_port_per_round(port: int) -> None:
+def test_two_nodes_ranks_and_the_store_for_the_workers(port: int) -> None:
     handlers = [create_handler(params(r, port, timeout="30")) for r in (0, 1)]
     try:
         node0, node1 = rendezvous_all(handlers, rounds=3)
@@ -64,11 +64,11 @@ def test_two_nodes_ranks_and_fresh_port_per_round(port: int) -> None:
             assert (a.rank, b.rank) == (0, 1)
             assert a.world_size == b.world_size == 2
             assert a.round == b.round == r
+            # Every round's workers are clients of node 0's store, as under torchrun.
             assert a.master_addr == b.master_addr == "127.0.0.1"
-            assert a.master_port == b.master_port != port
+            assert a.master_port == b.master_port == port
             assert a.members == b.members and len(set(a.members)) == 2
-        # Every round's workers get a port of their own.
-        assert len({info.master_port for info in node0}) == 3
+        assert all(h.use_agent_store for h in handlers)
         # Job-wide keys the agent writes are visible to the other node, namespaced by run.
         node0[-1].store.set("agent/restarts", json.dumps(1))
         assert json.loads(node1[-1].store.get("agent/restarts")) == 1
@@ -233,81 +233,7 @@ def test_early_arrival_is_reported_as_waiting_and_status_reads_it(port: int) -> 
 
 
 # -- end to end: two agents on loopback, the way torchrun's default backend is used ----
-
-ALLREDUCE = """\
-import json, os, sys
-import torch
-import torch.distributed as dist
-
-out, mode = sys.argv[1], sys.argv[2]
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-if mode == "fail" and attempt == 0 and os.environ["RANK"] == "3":
-    sys.exit(3)  # node 1's second worker fails once; every worker must restart
-dist.init_process_group("gloo")
-value = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(value)
-record = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                                     "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
-record["sum"] = value.item()
-with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
-    json.dump(record, f)
-dist.destroy_process_group()
-"""
-
-
-def run_two_nodes(procs, tmp_path, port: int, mode: str, *flags: str) -> list[dict[str, str]]:  # noqa: ANN001
-    from conftest import cli_env
-
-    script = tmp_path / "allreduce.py"
-    script.write_text(ALLREDUCE)
-    out = tmp_path / "out"
-    out.mkdir()
-    # A lost reverse-DNS query would stall a TCPStore connection 5 s (see design notes).
-    env = cli_env({"RES_OPTIONS": "timeout:1 attempts:1"})
-    nodes = [
-        procs.elastic(
-            "run",
-            "--nnodes=2",
-            f"--node-rank={rank}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            "--nproc-per-node=2",
-            *flags,
-            str(script),
-            str(out),
-            mode,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    for rank, node in enumerate(nodes):
-        stdout, stderr = node.communicate(timeout=100)
-        assert node.returncode == 0, f"node {rank}:\n{stdout}\n{stderr}"
-    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [int(r["RANK"]) for r in records] == [0, 1, 2, 3]
-    assert {r["WORLD_SIZE"] for r in records} == {"4"}
-    assert [int(r["GROUP_RANK"]) for r in records] == [0, 0, 1, 1]
-    assert {r["sum"] for r in records} == {10.0}  # 1 + 2 + 3 + 4 over gloo
-    assert {r["MASTER_ADDR"] for r in records} == {"127.0.0.1"}
-    ports = {r["MASTER_PORT"] for r in records}
-    assert len(ports) == 1 and ports != {str(port)}  # a fresh port, not the store's
-    return records
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_e2e_two_node_static_job_allreduce(procs, tmp_path, port: int) -> None:  # noqa: ANN001
-    records = run_two_nodes(procs, tmp_path, port, "ok")
-    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"0"}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_e2e_worker_failure_restarts_both_nodes(procs, tmp_path, port: int) -> None:  # noqa: ANN001
-    # Node 0's workers are healthy (blocked in init_process_group); node 1 restarting
-    # shows up as a waiting node, so node 0 stops them and joins the next round.
-    records = run_two_nodes(procs, tmp_path, port, "fail", "--max-restarts=1")
-    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"1"}
+# (jobs whose workers use the agent's store: test_rdzv_static_workers.py)
 
 
 @pytest.mark.slow

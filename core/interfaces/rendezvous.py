@@ -197,8 +197,10 @@ class RendezvousInfo:
 
     ``store`` is the job's store (namespaced to this run id) that the agent uses for
     job-wide state: the restart budget and failure records. ``master_addr`` and
-    ``master_port`` are what this round's workers use for ``init_process_group``; every
-    round gets a fresh port so nothing a dead attempt left behind can reach new workers.
+    ``master_port`` are what this round's workers use for ``init_process_group``: a fresh
+    port every round, which worker rank 0 hosts a new store on, or, when the handler's
+    ``use_agent_store`` is True, the agent's store itself. Either way nothing a dead
+    attempt left behind may reach new workers.
     """
 
     store: Store
@@ -331,7 +333,15 @@ class RendezvousHandler(abc.ABC):
 
     @property
     def use_agent_store(self) -> bool:
-        """Whether workers should use the agent's store (TORCHELASTIC_USE_AGENT_STORE)."""
+        """Whether workers are clients of the agent's store (TORCHELASTIC_USE_AGENT_STORE).
+
+        True only for a backend whose ``master_addr:master_port`` is a TCPStore it hosts
+        and which deletes the workers' keys before each round forms (``static``: a round
+        forms only once every node arrived, so no old worker is left to write).
+        The default False is for the dynamic backends: a round forms without the nodes
+        declared lost, whose workers may still run (a partition), and etcd is no
+        TCPStore; so each round's worker rank 0 hosts a fresh store on a fresh port.
+        """
         return False
 
     def describe(self) -> JobStatus:

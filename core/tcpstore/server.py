@@ -14,11 +14,15 @@ on it) once its unread responses pass ``_OUT_HIGH_WATER``; one request is capped
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import selectors
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TypeVar
 
 from elastic.core.tcpstore import wire
 from elastic.core.tcpstore.wire import Query
@@ -30,6 +34,8 @@ log = logging.getLogger(__name__)
 _RECV_SIZE = 64 * 1024
 _OUT_HIGH_WATER = 4 * 1024 * 1024
 _INT64 = range(-(2**63), 2**63)
+
+R = TypeVar("R")
 
 
 class _Conn:
@@ -90,7 +96,12 @@ class TCPStoreServer:
         self._sel.register(sock, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopping = False
+        self._serving = True  # False once the loop ended, however it ended
         self._close_lock = threading.Lock()
+        # Calls from other threads, run on the loop thread (``_in_loop``).
+        self._calls: collections.deque[tuple[Callable[[], object], Future[object]]] = (
+            collections.deque()
+        )
         self._thread = threading.Thread(
             target=self._run, name=f"tcpstore-server-{self.port}", daemon=True
         )
@@ -100,6 +111,41 @@ class TCPStoreServer:
     def clients(self) -> int:
         """Connections open now."""
         return len(self._conns)
+
+    def clear(self, keep_prefix: bytes = b"") -> int:
+        """Delete every key that does not start with ``keep_prefix``; how many went.
+
+        Run on the serving thread, so it is atomic with respect to every request. Waiters
+        are left parked: a deleted key was present, so nobody waits for it."""
+
+        def clear() -> int:
+            doomed = [key for key in self._data if not key.startswith(keep_prefix)]
+            for key in doomed:
+                del self._data[key]
+            return len(doomed)
+
+        return self._in_loop(clear)
+
+    def _in_loop(self, fn: Callable[[], R]) -> R:
+        """Run ``fn`` on the loop thread and return its result: the store is that
+        thread's alone, so no request ever sees it half changed."""
+        done: Future[object] = Future()
+        with self._close_lock:
+            if self._stopping or not self._serving:
+                raise RuntimeError(f"the TCPStore server on port {self.port} is closed")
+            self._calls.append((fn, done))
+            self._wake_w.send(b"c")
+        return done.result()  # type: ignore[return-value]
+
+    def _run_calls(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_r.recv(4096)
+        while self._calls:
+            fn, done = self._calls.popleft()
+            try:
+                done.set_result(fn())
+            except Exception as exc:
+                done.set_exception(exc)
 
     def close(self) -> None:
         """Stop serving and close every connection; idempotent."""
@@ -138,12 +184,19 @@ class TCPStoreServer:
                 for key, mask in self._sel.select():
                     if key.data == "accept":
                         self._accept()
-                    elif key.data != "wake":  # "wake": close() set _stopping
+                    elif key.data == "wake":  # a call, or close() set _stopping
+                        self._run_calls()
+                    else:
                         self._service(key.data, mask)
         except Exception:
             # A bug, not a client: say so, and let the clients see the store gone.
             log.exception("TCPStore server on port %d failed", self.port)
         finally:
+            with self._close_lock:  # no call is queued after this
+                self._serving = False
+            for _, done in self._calls:
+                done.set_exception(RuntimeError(f"the TCPStore server on port {self.port} closed"))
+            self._calls.clear()
             for conn in list(self._conns.values()):
                 self._drop(conn)
             self._sel.close()

@@ -1,7 +1,8 @@
 """The ``static`` rendezvous backend (``--rdzv-backend=static``, torchrun's default).
 
 A fixed number of nodes (``--nnodes=N``, not a range), each given its rank
-(``--node-rank``); node rank 0 hosts a TCPStore on ``--master-addr:--master-port``.
+(``--node-rank``); node rank 0 hosts a TCPStore on ``--master-addr:--master-port``,
+which the workers use too, as under torchrun (``handler.py`` says how attempts stay apart).
 
 ``--rdzv-conf`` keys:
 

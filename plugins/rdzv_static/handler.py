@@ -3,9 +3,15 @@
 Node rank 0 hosts a TCPStore on ``--master-addr:--master-port``; the others connect to it.
 Every ``next_rendezvous`` call is a round. A node's round is derived from one job-wide
 counter (``store.add``), so all nodes agree on it without trusting local state, and a
-round completes when every node has registered. Node 0 then picks a fresh free port for
-this round's workers and publishes the assignment as JSON; the others wait for it. A
-fresh port per round means nothing a dead attempt left listening can reach the new one.
+round completes when every node has registered. Node 0 then publishes the assignment as
+JSON; the others wait for it.
+
+The workers use this store too, as under torchrun: ``MASTER_ADDR:MASTER_PORT`` is
+``--master-addr:--master-port`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, so every worker
+connects to it as a client (``init_method="tcp://host:--master-port"`` works, as does
+``env://``). torch 2.13 gives the workers' keys no per-attempt prefix (``/default_pg/...``
+in every attempt), so node 0 deletes every key outside ``<run_id>/`` before it publishes
+a round (``_clear_worker_keys``): no attempt ever reads a key an earlier one left.
 
 Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
 
@@ -43,7 +49,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousTimeoutError,
 )
 from elastic.core.interfaces.store import Store, StoreTimeoutError
-from elastic.core.rendezvous import net
+from elastic.core.tcpstore import wire
 from elastic.plugins.rdzv_static import status
 from elastic.plugins.rdzv_static import store as tcp
 from elastic.plugins.rdzv_static.store import (
@@ -211,16 +217,36 @@ class StaticRendezvousHandler(RendezvousHandler):
                 raise RendezvousStateError(f"static rendezvous key {self.prefix + key!r}: {node!r}")
             nodes.append(node)
         members = [node["node_id"] for node in nodes]
+        self._clear_worker_keys(round_)
         assignment = {
             "round": round_,
             "master_addr": self.master_addr,
-            "master_port": net.free_port(),
+            "master_port": self.master_port,
             "world_size": self.world_size,
             "members": members,
         }
         store.set(LATEST, status.latest_record(assignment, nodes))  # for `elastic status`
         store.set(round_key(round_, "assignment"), json.dumps(assignment))
         return assignment
+
+    def _clear_worker_keys(self, round_: int) -> None:
+        """Delete the workers' keys (everything outside ``<run_id>/``) before a round forms.
+
+        This is what keeps attempts apart, not ``TORCHELASTIC_RESTART_COUNT``: torch 2.13's
+        workers put no attempt prefix on their keys (older torch used
+        ``/worker/attempt_<count>``). A prefix from the count would not be enough either:
+        each agent reads the count after the round forms, so a node whose workers fail
+        at once can spend a restart before a slower node reads it, and two rounds then
+        share a count on that node. Clearing is safe here: the round is complete, so
+        every node has called ``next_rendezvous``, and an agent stops and reaps its
+        workers before it does; no worker of an earlier round is left to write.
+        """
+        assert self._server is not None  # node 0 publishes, and node 0 hosts
+        try:
+            gone = self._server.clear(keep_prefix=(wire.KEY_PREFIX + self.prefix).encode())
+        except RuntimeError as exc:  # the server's loop ended: the store is gone
+            raise RendezvousConnectionError(f"static rendezvous store: {exc}") from None
+        log.debug("static rendezvous round %d: cleared %d worker keys", round_, gone)
 
     def _parse_assignment(self, value: Any, key: str) -> dict[str, Any]:
         ok = (
@@ -296,6 +322,12 @@ class StaticRendezvousHandler(RendezvousHandler):
             return 0
         arrivals = self._store.add(ARRIVALS, 0)
         return max(0, arrivals - (self._round + 1) * self.world_size)
+
+    @property
+    def use_agent_store(self) -> bool:
+        """True: workers are clients of node 0's store, as under torchrun (see the module
+        docstring for how attempts are kept apart)."""
+        return True
 
     def describe(self) -> JobStatus:
         return status.describe(
