@@ -1,7 +1,8 @@
 """Faults on a simulated 3-host network: how long until the survivors train again.
 
 For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed, its
-cable is cut) and each launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with
+cable is cut; the same for node 0, which hosts the c10d store; two of four nodes
+SIGTERMed 0.5 s apart) and each launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with
 etcd-v3, etcd-v2 and etcd on a fourth host), a fresh ``elastic.testing.cluster``
 cluster runs a ``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
 together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
@@ -16,7 +17,7 @@ finishing collectives), or "never" (they train on in the old world).
 Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
 5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
 
-    python bench/faults.py [--faults sigterm,sigkill,cut]
+    python bench/faults.py [--faults sigterm,sigkill,cut,store-sigterm,store-sigkill,two-sigterm]
                            [--impls torchrun,c10d,etcd-v3,etcd-v2,etcd] [--bound 45]
                            [--repeat 1] [--json out.json] [--keep DIR]
 
@@ -48,20 +49,29 @@ IMPLS = {  # column -> (launcher, backend)
     "etcd": ("ours", "etcd"),
 }
 HEADERS = {"torchrun": "torchrun (c10d)", **{k: f"ours {k}" for k in IMPLS if k != "torchrun"}}
-FAULTS = {"sigterm": "SIGTERM to its agent", "sigkill": "SIGKILL (node lost)", "cut": "cable cut"}
+FAULTS = {
+    "sigterm": "SIGTERM to its agent",
+    "sigkill": "SIGKILL (node lost)",
+    "cut": "cable cut",
+    "store-sigterm": "the c10d store's host preempted (SIGTERM to node 0's agent)",
+    "store-sigkill": "the c10d store's host crashed (node 0 SIGKILLed)",
+    "two-sigterm": "two of 4 nodes preempted 0.5 s apart",
+}
 FORM_TIMEOUT = 120.0
 
 
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
-    with Cluster(3 if backend == "c10d" else 4) as cluster:
-        nodes, endpoint = serve_rendezvous(cluster, backend, workdir)
+    size = 4 if fault == "two-sigterm" else 3
+    with Cluster(size if backend == "c10d" else size + 1) as cluster:
+        nodes, endpoint = serve_rendezvous(cluster, backend, workdir, size)
         job = FaultJob(
             cluster,
             workdir / "job",
             backend,
             endpoint,
             launcher=launcher,
+            nnodes=f"2:{size}",
             conf={"last_call_timeout": 1},
             args=["--max-restarts=3"],
             gloo=True,
@@ -72,14 +82,19 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
         # Let gloo connect and a few collectives finish before the fault.
         wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
         time.sleep(2.0)
-        victim, survivors = nodes[2], nodes[:2]
+        victims = {"store-sigterm": [0], "store-sigkill": [0], "two-sigterm": [2, 3]}
+        gone = [nodes[i] for i in victims.get(fault, [2])]
+        survivors = [h for h in nodes if h not in gone]
         at = time.time()
-        if fault == "sigterm":
-            os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
-        elif fault == "sigkill":
-            victim.kill()
+        if fault in ("sigterm", "store-sigterm", "two-sigterm"):
+            for i, victim in enumerate(gone):
+                if i:
+                    time.sleep(0.5)
+                os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
+        elif fault in ("sigkill", "store-sigkill"):
+            gone[0].kill()
         else:
-            cluster.cut(victim)
+            cluster.cut(gone[0])
         agents = [job.nodes[h.name].proc for h in survivors]
 
         def ended() -> bool:
