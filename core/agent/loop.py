@@ -370,7 +370,8 @@ class LocalElasticAgent(ElasticAgent):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             self._notify("elastic_restart", group=self._group, reason="lost_node")
             return None
-        self._host.call("elastic_annotate_failures", records=records)
+        if self._host.implemented("elastic_annotate_failures"):
+            self._host.call("elastic_annotate_failures", records=records)
         self._failures = {r.rank: r for r in records}
         final = publish_and_decide(
             records,

@@ -171,9 +171,17 @@ class PluginHost:
         result = getattr(self.pm.hook, hook_name)(**kwargs)
         return list(result or [])
 
+    def implemented(self, hook_name: str) -> bool:
+        """Whether any plugin implements ``hook_name``. The agent asks before the hooks it
+        calls per worker or per monitor tick, so a run whose plugins do not use them
+        makes no such calls (nor trace lines, nor recorded calls)."""
+        self.load()
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
     def call_first(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a ``firstresult`` hook: the first non-None answer, or None."""
-        self.load()
+        if not self.implemented(hook_name):
+            return None
         return getattr(self.pm.hook, hook_name)(**kwargs)
 
     # The agent's names for ``call``: which hooks are isolated is the hookspecs' decision.
@@ -199,6 +207,8 @@ class PluginHost:
 
     def worker_process_env(self, local_rank: int, error_file: str) -> dict[str, str]:
         """The merged answers of ``elastic_worker_process_env`` for one worker."""
+        if not self.implemented("elastic_worker_process_env"):
+            return {}
         return self._merged_env(
             "elastic_worker_process_env", local_rank=local_rank, error_file=error_file
         )
