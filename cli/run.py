@@ -157,8 +157,9 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
     if standalone:
         backend, endpoint = "standalone", ""
     elif endpoint:
-        try:
-            parse_endpoint(endpoint, None)
+        try:  # several, comma-separated: etcd's members, c10d's candidate store hosts
+            for one in endpoint.split(","):
+                parse_endpoint(one.strip(), None)
         except click.BadParameter as exc:
             raise bad("--rdzv-endpoint", exc.message) from None
     return {

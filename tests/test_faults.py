@@ -77,20 +77,23 @@ class Setup:
 
 @pytest.fixture
 def start_job(cluster_factory: Make, tmp_path: Path) -> Iterator[Callable[..., Setup]]:
-    def start(backend: str, conf: dict[str, Any] | None = None, etcd_members: int = 1) -> Setup:
-        cluster = cluster_factory(3 if backend == "c10d" else 3 + etcd_members)
-        nodes, endpoint = serve_rendezvous(cluster, backend, tmp_path)
+    def start(
+        backend: str, conf: dict[str, Any] | None = None, etcd_members: int = 1, size: int = 3
+    ) -> Setup:
+        cluster = cluster_factory(size if backend == "c10d" else size + etcd_members)
+        nodes, endpoint = serve_rendezvous(cluster, backend, tmp_path, size)
         conf = dict(conf or {})
         job = FaultJob(
             cluster,
             tmp_path / "job",
             backend,
             endpoint,
+            nnodes=f"2:{size}",
             conf={"last_call_timeout": 1, **conf},
             args=["--max-restarts=0"],
         )
         formed = job.start_together(nodes, FORM_TIMEOUT)
-        assert formed, f"the 3-node job did not form\n{job.texts()}"
+        assert formed, f"the {size}-node job did not form\n{job.texts()}"
         return Setup(cluster, job, nodes)
 
     yield start
@@ -126,6 +129,33 @@ def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], bac
     slowest = setup.finish(survivors)
     assert slowest <= EXIT_LIMIT, f"survivors exited {slowest:.2f}s after finishing"
     print(f"{backend} SIGTERM: regrouped in {took:.2f}s, exited {slowest:.2f}s after finishing")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+@pytest.mark.parametrize("leaving", [2, 3])
+def test_nodes_preempted_within_a_second_regroup_once(
+    start_job: Callable[..., Setup], backend: str, leaving: int
+) -> None:
+    """Two or three of five nodes get SIGTERM 0.4 s apart: one regroup of the rest, within
+    3 s of the first notice (plus the margin), no restart, nobody waiting for a last call
+    (30 s here), and no node that left in the new round."""
+    setup = start_job(backend, {"last_call_timeout": 30}, size=5)
+    gone = setup.nodes[-leaving:]  # never the c10d store's host
+    survivors = [h for h in setup.nodes if h not in gone]
+    signalled = time.time()
+    for i, host in enumerate(gone):
+        if i:
+            time.sleep(0.4)
+        os.kill(setup.job.nodes[host.name].proc.pid, signal.SIGTERM)
+    took = regrouped(setup, survivors, signalled, 3.0 + MARGIN, f"{backend} {leaving} SIGTERMs")
+    names = {h.name for h in survivors}
+    # Every round has a master port of its own: one address since the notice, one regroup.
+    rounds = {r["master"] for r in setup.job.starts() if r["host"] in names and r["t"] > signalled}
+    assert len(rounds) == 1, f"{len(rounds)} regroups: {rounds}\n{setup.job.texts()}"
+    no_restart_spent(setup.job)
+    setup.finish(survivors)
+    print(f"{backend} {leaving} preempted 0.4 s apart: regrouped once in {took:.2f}s")
 
 
 @pytest.mark.timeout(120)
@@ -199,6 +229,38 @@ def test_c10d_store_host_preempted_hands_the_store_over(start_job: Callable[...,
     slowest = setup.finish(survivors)
     assert slowest <= EXIT_LIMIT, f"survivors exited {slowest:.2f}s after finishing"
     print(f"c10d store host SIGTERM: regrouped in {took:.2f}s, exited {slowest:.2f}s later")
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_node_finds_the_moved_store_at_a_candidate_endpoint(
+    cluster_factory: Make, tmp_path: Path
+) -> None:
+    """``--rdzv-endpoint=node0:29400,node1:29400``: node0's agent hosts, node1's keeps its
+    standby on the second endpoint. node0 is preempted: the store moves to node1 and the
+    job goes on with two nodes; a replacement agent started on node0 afterwards finds the
+    store at node1 (not a new, empty one at node0) and the job grows back to three."""
+    cluster = cluster_factory(3)
+    nodes = list(cluster.hosts)
+    endpoint = ",".join(f"{h.name}:{C10D_PORT}" for h in nodes[:2])
+    job = FaultJob(
+        cluster, tmp_path / "job", "c10d", endpoint, conf={"last_call_timeout": 1},
+        args=["--max-restarts=0"],
+    )  # fmt: skip
+    assert job.start_together(nodes, FORM_TIMEOUT), f"the job did not form\n{job.texts()}"
+    store_host, survivors = nodes[0], nodes[1:]
+    node = job.nodes[store_host.name]
+    signalled = time.time()
+    os.kill(node.proc.pid, signal.SIGTERM)
+    took = regrouped(Setup(cluster, job, nodes), survivors, signalled, TERM_LIMIT, "store moved")
+    assert node.wait(timeout=30) == 128 + signal.SIGTERM, node.text()
+    assert f"over to {nodes[1].name}:{C10D_PORT}" in node.text(), node.text()
+    rejoined = time.time()
+    job.start(store_host)  # the replacement, with the same command line
+    ok = wait_until(lambda: job.running_together(nodes, rejoined), FORM_TIMEOUT)
+    assert ok, f"the replacement never joined the moved store\n{job.texts()}"
+    no_restart_spent(job)
+    Setup(cluster, job, nodes).finish(nodes)
+    print(f"store moved to a candidate endpoint: regrouped in {took:.2f}s, replacement joined")
 
 
 @pytest.mark.timeout(90)

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import free_port, wait_until
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
@@ -624,3 +624,34 @@ def test_the_store_moves_when_its_host_leaves(make: Make) -> None:
     others[0].set_closed()
     assert wait_until(lambda: all(h.is_closed() for h in others), 5)
     host.shutdown()
+
+
+def test_a_joiner_finds_the_moved_store_at_another_candidate_endpoint(port: int) -> None:
+    """``--rdzv-endpoint=A,B``: A's agent hosts, another agent keeps its standby on B. A
+    leaves: the store moves to B, where a node that joins afterwards finds it."""
+    endpoint = f"127.0.0.1:{port},127.0.0.1:{free_port()}"
+
+    def make_on_both() -> C10dRendezvousHandler:
+        params = RendezvousParameters(
+            "c10d", endpoint, "job", 2, 3, config={**FAST, "last_call_timeout": "1"}
+        )
+        handler = create_handler(params)
+        assert isinstance(handler, C10dRendezvousHandler)
+        return handler
+
+    first, second = make_on_both(), make_on_both()
+    late: C10dRendezvousHandler | None = None
+    try:
+        check_round(rendezvous_all([first, second]), 2)
+        host = next(h for h in (first, second) if h.is_hosting)
+        other = first if host is second else second
+        host.leave()
+        assert wait_until(lambda: other.is_hosting, 5)  # its standby took the store
+        late = make_on_both()  # knows only the endpoints: A refuses, B has the job
+        again = rendezvous_all([other, late])
+        check_round(again, 2)
+        assert again[0].round >= 1 and host.node_id not in again[0].members
+    finally:
+        for h in (late, first, second):
+            if h is not None:
+                h.shutdown()

@@ -26,6 +26,21 @@ REPEATABLE = frozenset({"set", "get", "check", "multi_get", "multi_set", "compar
 HANDOVER_WAIT = 10.0
 
 
+def standby_mark(host: str, port: int, timeout: float) -> tuple[bytes, TCPStoreClient] | None:
+    """(its ``STANDBY_KEY`` value, a client connected to it) for the store at host:port;
+    ``b""``: a job's live store. None when nothing answers there."""
+    try:
+        client = TCPStoreClient(host, port, timeout)
+    except RendezvousConnectionError:
+        return None
+    try:
+        (mark,) = client.multi_get([STANDBY_KEY], False)
+    except RendezvousConnectionError:
+        client.close()
+        return None
+    return mark, client
+
+
 class Connection:
     """One client connection, made again after it broke: a node cut off for a while
     reconnects once the network is back. A store whose host answered that nothing serves
@@ -87,14 +102,10 @@ class Connection:
         while candidates and time.monotonic() < deadline and not self._closed:
             receiving = False
             for host, port in candidates:
-                try:
-                    client = TCPStoreClient(host, port, min(self.timeout, 2.0))
-                except RendezvousConnectionError:
+                found = standby_mark(host, port, min(self.timeout, 2.0))
+                if found is None:
                     continue
-                try:
-                    (mark,) = client.multi_get([STANDBY_KEY], False)
-                except RendezvousConnectionError:
-                    mark = IDLE
+                mark, client = found
                 if not mark:
                     self._move_to(host, port, client)
                     return True

@@ -26,11 +26,19 @@ from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
 from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
-from elastic.core.tcpstore.view import IDLE, RECEIVING, STANDBY_KEY, Connection, PrefixStore
+from elastic.core.tcpstore.view import (
+    IDLE,
+    RECEIVING,
+    STANDBY_KEY,
+    Connection,
+    PrefixStore,
+    standby_mark,
+)
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
     host_store,
     parse_endpoint,
+    parse_endpoints,
     probe,
     try_listen,
 )
@@ -90,7 +98,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
     def __init__(
         self, params: RendezvousParameters, settings: RoundSettings, is_host: bool | None
     ) -> None:
-        self.host, self.port = parse_endpoint(params.endpoint)
+        # The first endpoint hosts at start; the others are candidates to take it over.
+        self._candidates = parse_endpoints(params.endpoint)
+        self.host, self.port = self._candidates[0]
         where = f"{self.host}:{self.port}"
         self._server: Any = None
         self._standby: TCPStoreServer | None = None  # ready to take the store over
@@ -103,7 +113,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                     f"--rdzv-conf is_host=true but this machine cannot listen on {where} "
                     "(not one of its addresses, or the port is taken)"
                 )
-            if params.read_only:
+            if params.read_only and len(self._candidates) == 1:
                 probe(self.host, self.port)
         try:
             self._connect(params, settings)
@@ -116,6 +126,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
         prefix = job_prefix(params.run_id)
         agent_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
+        agent_conn.successors = self._candidates[1:]  # where a moved store may be already
         if params.read_only:
             agent_conn.call("check", [prefix])
         else:
@@ -127,13 +138,15 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         standby = ""
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
-            monitor_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
+            monitor_conn = Connection(
+                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT
+            )
+            monitor_conn.successors = self._candidates[1:]
             monitor_conn.call("check", [prefix])
             monitor_store = PrefixStore(monitor_conn, prefix)
             self._conns.append(monitor_conn)
             if self._server is None:
-                self._standby = TCPStoreServer(addr, 0, data={wire_key(STANDBY_KEY): IDLE})
-                standby = net.join_host_port(addr, self._standby.port)
+                self._standby, standby = self._keep_standby(addr)
         super().__init__(
             params,
             settings,
@@ -144,21 +157,45 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             standby,
         )
 
+    def _moved_elsewhere(self) -> bool:
+        """Whether another candidate endpoint serves a live store: the first endpoint's
+        host handed it over, and a new store there would split the job in two."""
+        for host, port in self._candidates[1:]:
+            found = standby_mark(host, port, 2.0)
+            if found is not None:
+                found[1].close()
+                if not found[0]:
+                    return True
+        return False
+
+    def _keep_standby(self, addr: str) -> tuple[TCPStoreServer, str]:
+        """An idle store ready to take the job's over, and its published address: on a
+        candidate endpoint when this machine owns one (a joiner finds it there), else on
+        any free port of ``addr``."""
+        mark = {wire_key(STANDBY_KEY): IDLE}
+        for host, port in self._candidates[1:]:
+            sock = try_listen(host, port)
+            if sock is not None:
+                return TCPStoreServer(sock=sock, data=mark), net.join_host_port(host, port)
+        server = TCPStoreServer(addr, 0, data=mark)
+        return server, net.join_host_port(addr, server.port)
+
     def _try_hosting(self) -> bool:
         """Host the store if this agent may and can listen on the endpoint: at start, and
         again whenever first contact finds nobody listening."""
-        if not self._may_host or self._server is not None:
+        if not self._may_host or self._server is not None or self._moved_elsewhere():
             return False
         sock = try_listen(self.host, self.port)
         if sock is None:
             return False
         self._server = host_store(sock)
         log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
-        if self._elastic:
+        if self._elastic and len(self._candidates) == 1:
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
                 "leaves, the store moves to another member, and nodes that join after that "
-                "cannot find it there (--rdzv-backend=etcd-v3 has no such limit)"
+                "cannot find it there (name more candidate hosts, --rdzv-endpoint="
+                "h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
             )
         return True
 
@@ -177,7 +214,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         return standby is not None and not standby.holds(wire_key(STANDBY_KEY))
 
     def round_formed(self, asg: R.Assignment) -> None:
-        successors = [parse_endpoint(s) for s in asg.standbys if s]
+        standbys = [parse_endpoint(s) for s in asg.standbys if s]
+        successors = list(dict.fromkeys([*self._candidates, *standbys]))
         for conn in self._conns:
             conn.successors = successors
 
@@ -192,8 +230,12 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         The standby is told it is receiving before this store stops answering, so the
         others' connections wait for it rather than take our closing for a death."""
         pairs = zip(asg.members, asg.standbys, strict=False)
+        standbys = [s for member, s in pairs if s and member != self.node_id]
+        # A candidate endpoint first: a node joining later finds the store there.
+        candidates = {net.join_host_port(h, p) for h, p in self._candidates}
+        standbys.sort(key=lambda s: s not in candidates)
         data: dict[bytes, bytes] | None = None  # taken when the first standby answers
-        for standby in [s for member, s in pairs if s and member != self.node_id]:
+        for standby in standbys:
             host, port = parse_endpoint(standby)
             try:
                 client = TCPStoreClient(host, port, self.settings.read_timeout)

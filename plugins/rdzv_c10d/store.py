@@ -36,6 +36,13 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
     return host, port
 
 
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """``h0[:port],h1[:port],...``: the hosts that may serve the store, first the one
+    that hosts it at start; each may take it over (and a joiner finds it there)."""
+    found = [parse_endpoint(one.strip()) for one in endpoint.split(",")]
+    return list(dict.fromkeys(found))
+
+
 def resolve(host: str, port: int) -> list[tuple[int, str]]:
     try:
         return net.resolve(host, port)
