@@ -132,8 +132,7 @@ def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], bac
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
-@pytest.mark.parametrize("leaving", [2, 3])
+@pytest.mark.parametrize(("backend", "leaving"), [("c10d", 3), ("etcd-v3", 2)])
 def test_nodes_preempted_within_a_second_regroup_once(
     start_job: Callable[..., Setup], backend: str, leaving: int
 ) -> None:
