@@ -561,6 +561,7 @@ def kill_presence(handler: C10dRendezvousHandler) -> None:
     server = handler._presence
     assert server is not None
     server._stop.set()
+    server._wake_w.send(b"x")
     server._thread.join(timeout=5)
     for conn in list(server._conns.values()):
         conn.sock.close()

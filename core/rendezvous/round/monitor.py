@@ -163,6 +163,7 @@ class Monitor:
         self._presence = presence
         self._hello = hello
         self._client: PresenceClient | None = None
+        self._connect_in: R.Assignment | None = None  # the round whose rank 0 to connect to
         self._gone: set[str] = set()  # rank 0, when our connection to it died
         if presence is not None:
             presence.on_change = self._wake.set
@@ -225,19 +226,31 @@ class Monitor:
             self.waiting, self.lost = 0, []
             self._events_seen, self._published = None, []
             self._gone = set()
+            # A member connects to rank 0's presence port on its first tick in the round,
+            # not here: a round's forming is not held up by N connections made at once.
+            self._connect_in = asg if rank and asg is not None and asg.presence_port else None
         self._stop_client()
-        if asg is None or rank is None:
-            return
-        if rank == 0 and self._presence is not None:
+        if rank == 0 and asg is not None and self._presence is not None:
             self._presence.watch(m for m in asg.members if m != self.node_id)
-        elif rank > 0 and asg.presence_port:
-            rank0 = asg.members[0]
-            self._client = PresenceClient(
-                asg.master_addr, asg.presence_port, self._hello, lambda: self._died(asg, rank0)
-            )
+
+    def _connect_presence(self) -> None:
+        with self._lock:
+            asg, self._connect_in = self._connect_in, None
+        if asg is None:
+            return
+        rank0 = asg.members[0]
+        client = PresenceClient(
+            asg.master_addr, asg.presence_port, self._hello, lambda: self._died(asg, rank0)
+        )
+        with self._lock:
+            if asg is self._round and self._client is None:
+                self._client = client
+                return
+        client.stop()  # the round changed meanwhile
 
     def _stop_client(self) -> None:
-        client, self._client = self._client, None
+        with self._lock:
+            client, self._client = self._client, None
         if client is not None:
             client.stop()
 
@@ -345,6 +358,7 @@ class Monitor:
                 return
 
     def _tick(self) -> None:
+        self._connect_presence()
         with self._lock:
             asg, rank, watch, quiet = self._round, self._rank, self._watch, self._quiet
         if not quiet:

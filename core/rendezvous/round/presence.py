@@ -75,8 +75,13 @@ class PresenceServer:
         self._capped = False
         self.on_change: Callable[[], None] = lambda: None  # a connection closed unasked
         self._stop = threading.Event()
+        # The thread sleeps in select() until a socket has something, or a hello is due:
+        # an idle agent's port costs no wakeups (a thousand handlers share a process in
+        # the rendezvous benchmark). ``close`` wakes it through this pair.
+        self._wake_r, self._wake_w = socket.socketpair()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._run, name="rdzv-presence", daemon=True)
         self._thread.start()
 
@@ -111,6 +116,8 @@ class PresenceServer:
     def close(self) -> None:
         """Stop serving; every member is told goodbye first (this is no death)."""
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
         self._thread.join(timeout=2)
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
@@ -119,14 +126,18 @@ class PresenceServer:
             conn.sock.close()
         self._sel.close()
         self._sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._sel.select(timeout=0.2):
+            hellos = [c.opened + HELLO_WAIT for c in self._conns.values() if c.node is None]
+            timeout = max(0.0, min(hellos) - time.monotonic()) if hellos else None
+            for key, _ in self._sel.select(timeout):
                 if key.fileobj is self._sock:
                     self._accept()
-                else:
+                elif key.fileobj is not self._wake_r:  # the pair only says "stop"
                     self._read(self._conns[key.fileobj])  # type: ignore[index]
             now = time.monotonic()
             for conn in list(self._conns.values()):
