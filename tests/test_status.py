@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -101,8 +102,23 @@ def wait_for_members(job: Job, count: int, timeout: float = 90) -> dict:
     return seen
 
 
-def test_status_lists_members_and_follows_a_killed_node(job) -> None:
+def host_first(job: Job) -> subprocess.Popen[str]:
+    """Start the agent that hosts the c10d store, and only then the others: on loopback
+    every agent could bind the endpoint, and the test must not kill the one that won."""
     host = job("--rdzv-conf", job.fast)
+    if job.backend == "c10d":
+        port = int(job.endpoint.rsplit(":", 1)[1])
+
+        def listening() -> bool:
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", port)) == 0
+
+        assert wait_until(listening, timeout=30), "the first agent never hosted the store"
+    return host
+
+
+def test_status_lists_members_and_follows_a_killed_node(job) -> None:
+    host = host_first(job)
     job("--rdzv-conf", job.fast)
     third = job("--rdzv-conf", job.fast)
     first = wait_for_members(job, 3)
