@@ -138,8 +138,8 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:  # a zombie is dead for our purposes
+    try:  # a zombie, or one the kernel is still tearing down (X), is dead for our purposes
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
