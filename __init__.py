@@ -33,6 +33,8 @@ _LAZY = {
     "heartbeat": "elastic.training.heartbeat:heartbeat",
     "checkpoint_requested": "elastic.training.preemption:checkpoint_requested",
     "checkpoint_saved": "elastic.training.preemption:checkpoint_saved",
+    "membership_changed": "elastic.training.regroup:membership_changed",
+    "regroup": "elastic.training.regroup:regroup",
     # torch's programmatic API (torch.distributed.launcher.api and .elastic)
     "LaunchConfig": "elastic.core.launch.config:LaunchConfig",
     "elastic_launch": "elastic.api:elastic_launch",

@@ -30,6 +30,8 @@ from elastic.training.heartbeat import heartbeat as heartbeat
 from elastic.training.loop import train as train
 from elastic.training.preemption import checkpoint_requested as checkpoint_requested
 from elastic.training.preemption import checkpoint_saved as checkpoint_saved
+from elastic.training.regroup import membership_changed as membership_changed
+from elastic.training.regroup import regroup as regroup
 from elastic.training.state import State as State
 
 __version__: str

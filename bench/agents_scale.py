@@ -8,8 +8,9 @@ torchrun is ``python -m torch.distributed.run``. The worker (no torch) writes
 ``time.time()`` as its first statement. The agent that binds the endpoint first hosts the
 store (both launchers); the bench finds it as the process listening on the port.
 
-Scale runs (``--nodes``, worker mode ``start``: it exits at once), from just before the
-first agent's ``Popen``:
+Scale runs (``--nodes``, worker mode ``start``: it exits at once; ``--worker sleep:S``:
+it runs S s, so a node that fenced itself would restart it and fail the run), from just
+before the first agent's ``Popen``:
 
   workers   until the last of the N workers has started (its first statement)
   wall      until every agent has exited (every exit code must be 0)
@@ -51,6 +52,8 @@ launcher before anything is timed; ``--bytecode env`` runs as the environment sa
         --timeout 300                                     # the largest N torchrun completes
     python bench/agents_scale.py --nodes 256 --impls ours --repeat 0 \\
         --heartbeat-seconds 20 --heartbeat-nodes 64,128,256
+    python bench/agents_scale.py --nodes 256 --impls ours --repeat 1 --warmup 0 \\
+        --worker sleep:25 --timeout 400         # long-running workers: formed, then finished
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ HEARTBEAT_INTERVAL = {"ours": 1.0, "torchrun": 5.0}  # each launcher's default, 
 
 # ``python -c COUNTING_AGENT run ...``: ours, with the store's requests counted by kind.
 # The agent that hosts the store rewrites STORE_COUNT_FILE ("<pid> <time> <json counts>")
-# every second; the others only carry the (unused) patch.
+# every second; the others only carry the (unused) patch, and every agent's standby store
+# (c10d's handover) is left out.
 COUNTING_AGENT = """
 import collections, json, os, sys, threading, time
 from elastic.core.tcpstore import server
@@ -116,6 +120,8 @@ def dump(path):
         time.sleep(1.0)
 def start(self, *args, **kwargs):
     init(self, *args, **kwargs)
+    if "data" in kwargs:  # a c10d standby store (born with its mark), not the job's
+        return
     path = os.environ["STORE_COUNT_FILE"]
     threading.Thread(target=dump, args=(path,), daemon=True).start()
 server.TCPStoreServer._handle, server.TCPStoreServer.__init__ = counted, start
@@ -261,7 +267,7 @@ class Job:
 def scale_run(
     impl: str, nodes: int, env: dict[str, str], work: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    job = Job(impl, nodes, "start", env, work, extra=args.extra[impl])
+    job = Job(impl, nodes, args.worker, env, work, extra=args.extra[impl])
     try:
         job.start()
         reason = job.wait(lambda: job.alive() == 0, job.started + args.timeout, args.min_mb)
@@ -475,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="scale runs per N and launcher")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="cap per run, seconds")
+    parser.add_argument(
+        "--worker",
+        default="start",
+        help="scale runs' worker mode: start (exit at once) or sleep:SECS (long-running: "
+        "the round must stay formed, nobody fenced, until they finish)",
+    )
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument(
         "--keep-going",

@@ -41,13 +41,18 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import add_report_options, in_scratch_dir, wait_for_quiet
+from elastic.testing.benchmarking import (
+    add_report_options,
+    commit,
+    in_scratch_dir,
+    spread,
+    wait_for_quiet,
+)
 from elastic.testing.cluster import Cluster, cluster_available
 from elastic.testing.preemption_job import last_step, preempt_job, read_events
 from elastic.testing.waits import wait_until
@@ -134,21 +139,6 @@ def run_case(impl: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
             + ("" if out["finished"] else ", did not finish")
         )
         return out
-
-
-def spread(values: list[float], fmt: str) -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return format(med, fmt)
-    return f"{format(med, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-
-
-def commit() -> str:
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run(
-        ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return proc.stdout.strip() or "unknown"
 
 
 def main() -> None:

@@ -15,10 +15,14 @@ returns. torch's run is capped by --torch-timeout and reported as "did not finis
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -95,6 +99,69 @@ def torchs(nodes: int, run_id: str, timeout: float) -> dict[str, Any]:
     return timing.result()
 
 
+class Phases:
+    """When each of our handlers reached each step of its first round (seconds after
+    the first entered ``next_rendezvous``), by wrapping the round's methods: where the
+    timed region goes. ``summary()``: first / median / 90th percentile / last per step."""
+
+    STEPS = (
+        # (module under elastic.core.rendezvous.round, class, method, mark before, after)
+        ("handler", "RoundRendezvousHandler", "next_rendezvous", "entered", "returned"),
+        ("monitor", "Monitor", "start", None, "monitor started (first keep-alive, threads)"),
+        ("protocol", "RoundProtocol", "_find_coordinator", "joined (slot, record)", None),
+        ("protocol", "RoundProtocol", "publish", None, "outcome published"),
+        ("protocol", "RoundProtocol", "_await", None, "outcome seen"),
+    )
+
+    def __init__(self) -> None:
+        self.marks: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        self._undo: list[tuple[type, str, Callable[..., Any]]] = []
+
+    def __enter__(self) -> Phases:
+        for module, cls_name, name, before, after in self.STEPS:
+            cls = getattr(
+                importlib.import_module(f"elastic.core.rendezvous.round.{module}"), cls_name
+            )
+            original = getattr(cls, name)
+            setattr(cls, name, self._wrap(original, before, after))
+            self._undo.append((cls, name, original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, original in self._undo:
+            setattr(cls, name, original)
+
+    def _mark(self, step: str) -> None:
+        with self._lock:
+            self.marks.setdefault(step, []).append(time.perf_counter())
+
+    def _wrap(self, fn: Callable[..., Any], before: str | None, after: str | None) -> Any:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                self._mark(before)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if after:
+                    self._mark(after)
+
+        return wrapped
+
+    def summary(self) -> dict[str, list[float]]:
+        start, end = min(self.marks["entered"]), max(self.marks["returned"])
+        out = {}
+        for step, times in self.marks.items():
+            t = sorted(x - start for x in times if x <= end)  # not the shutdown's
+            if not t:
+                continue
+            out[f"{step} (n={len(t)})"] = [
+                round(t[min(len(t) - 1, int(q * len(t)))], 3) for q in (0, 0.5, 0.9, 1)
+            ]
+        return out
+
+
 # torch's unfinished handlers run on in daemon threads: keep them (and their store) alive
 # until the process exits with os._exit.
 _keep_alive: list[Any] = []
@@ -111,9 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="--rdzv-conf pair for our handlers (repeatable); default: product defaults",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each step of our handlers' round (one more run, not in the median)",
+    )
     args = parser.parse_args(argv)
 
-    fd_limit = raise_nofile(4 * args.nodes + 256)[0]  # ~2 connections a handler, both ends
+    # Per handler: 4 connections to the store (both ends), a standby store, a presence port.
+    fd_limit = raise_nofile(12 * args.nodes + 256)[0]
     conf = dict(pair.split("=", 1) for pair in args.conf)
     mine = [ours(args.nodes, f"ours-{i}", args.timeout, conf) for i in range(args.repeat)]
     report: dict[str, Any] = {
@@ -126,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "ours": rendezvous_summary(mine, args.timeout),
     }
+    if args.phases:
+        with Phases() as phases:
+            traced = ours(args.nodes, "ours-phases", args.timeout, conf)
+        report["ours_phases"] = {
+            "seconds": traced["seconds"] and round(traced["seconds"], 4),
+            "steps [first, median, p90, last] s": phases.summary(),
+        }
     if not args.no_torch:
 
         def run(run_id: str) -> dict[str, Any]:

@@ -6,6 +6,12 @@ hosts a store. The JSON schema (``--json``) is ``JobStatus`` as a dict, version 
 "max_nodes", "waiting", "restarts_used", "max_restarts", "root_cause",
 "members": [{"node_id", "host", "rank", "pid", "local_world_size", "heartbeat_age",
 "versions"}]}``.
+
+Ctrl-C ends it at once wherever it lands, with exit status 130 and no traceback: the
+job is read on a thread of its own while the main thread waits, interruptibly, so a call
+that signals cannot reach (a name lookup, a peer that stopped answering) never delays
+the exit. The handler being used is shut down on the way out (its store connections
+closed), and the exit waits at most ``CLOSE_GRACE`` for the read to end.
 """
 
 from __future__ import annotations
@@ -14,17 +20,41 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import click
 from elastic.cli.options import flag
-from elastic.core.interfaces.rendezvous import JobStatus, RendezvousError, RendezvousParameters
+from elastic.core.interfaces.failures import BEFORE_JOINING
+from elastic.core.interfaces.rendezvous import (
+    JobStatus,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
 from elastic.core.log import say
 
+log = logging.getLogger(__name__)
 
-def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
+# Seconds Ctrl-C waits for the read under way to end once its connections are closed,
+# before the command exits anyway: closing wakes a blocked store call at once; only a
+# call outside our sockets (a name lookup) can take longer, and it dies with the process.
+CLOSE_GRACE = 2.0
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def describe_job(
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    opened: Callable[[RendezvousHandler], None] = lambda handler: None,
+) -> JobStatus:
+    """The job's status, read through a read-only handler that is shut down (its store
+    connections closed) however this ends. ``opened(handler)``: told of the handler
+    before it is used; raising from it stops here."""
     from elastic.core.rendezvous.registry import get_rendezvous_handler
 
     # torch's C++ logger prints a stack for a failed store connection; status reports
@@ -40,9 +70,75 @@ def describe_job(backend: str, endpoint: str, run_id: str) -> JobStatus:
     )
     handler = get_rendezvous_handler(params)
     try:
+        opened(handler)
         return handler.describe()
     finally:
         handler.shutdown()
+
+
+class _Cancelled(Exception):
+    """The main thread gave up on this read (Ctrl-C)."""
+
+
+class _Reading:
+    """One ``describe_job`` on a daemon thread; ``cancel`` (from the main thread) shuts
+    its handler down, which wakes a store call blocked in it."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str) -> None:
+        self._lock = threading.Lock()
+        self._handler: RendezvousHandler | None = None
+        self._cancelled = False
+        self._outcome: list[JobStatus | BaseException] = []
+        # Waited on rather than joining the thread: Python 3.11's join, interrupted by
+        # Ctrl-C, marks a thread still running as stopped (bpo-45274's fix), after which
+        # a join no longer waits at all.
+        self._done = threading.Event()
+        threading.Thread(
+            target=self._run, args=(backend, endpoint, run_id), name="status-read", daemon=True
+        ).start()
+
+    def _run(self, backend: str, endpoint: str, run_id: str) -> None:
+        try:
+            self._outcome.append(describe_job(backend, endpoint, run_id, self._opened))
+        except BaseException as exc:  # handed to the main thread by ``result``
+            self._outcome.append(exc)
+        finally:
+            self._done.set()
+
+    def _opened(self, handler: RendezvousHandler) -> None:
+        with self._lock:
+            self._handler = handler
+            if self._cancelled:
+                raise _Cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            handler = self._handler
+        if handler is not None:
+            try:  # idempotent; the thread's own shutdown then does nothing
+                handler.shutdown()
+            except Exception as exc:  # leaving anyway: the process closes what is left
+                log.debug("elastic status: shutting the handler down on Ctrl-C: %s", exc)
+        self._done.wait(CLOSE_GRACE)
+
+    def result(self) -> JobStatus:
+        self._done.wait()  # a lock wait: Ctrl-C interrupts it at once
+        (outcome,) = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def read_interruptibly(backend: str, endpoint: str, run_id: str) -> JobStatus:
+    """``describe_job``, with Ctrl-C in the main thread seen at once wherever the read is
+    (see the module docstring)."""
+    reading = _Reading(backend, endpoint, run_id)
+    try:
+        return reading.result()
+    except KeyboardInterrupt:
+        reading.cancel()
+        raise
 
 
 def status_dict(status: JobStatus) -> dict[str, Any]:
@@ -83,8 +179,12 @@ def render(status: JobStatus) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if status.root_cause:
         rc = status.root_cause
+        extra = rc.get("extra") if isinstance(rc.get("extra"), dict) else {}
+        # A node whose workers failed before it joined left alone; the job went on.
+        left = " (before it joined: that node left, the job went on)"
         lines.append(
-            f"root cause: rank {rc.get('rank')} on {rc.get('host')} "
+            f"root cause: rank {rc.get('rank')} on {rc.get('host')}"
+            f"{left if extra.get(BEFORE_JOINING) else ''} "
             f"exit {rc.get('exit_code')} {rc.get('signal') or ''} {rc.get('message', '')}".rstrip()
         )
         lines += stack_lines(rc)
@@ -120,7 +220,7 @@ def status_command(
     try:
         while True:
             try:
-                status = describe_job(rdzv_backend, rdzv_endpoint, rdzv_id)
+                status = read_interruptibly(rdzv_backend, rdzv_endpoint, rdzv_id)
             except (RendezvousError, LookupError) as exc:
                 say(f"elastic status: error: {exc}", logging.ERROR)
                 sys.exit(1)
@@ -130,5 +230,5 @@ def status_command(
                 return
             click.echo("\x1b[2J\x1b[H" + text)  # clear the screen, cursor home
             time.sleep(watch)
-    except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
-        return
+    except KeyboardInterrupt:  # Ctrl-C ends --watch (or a slow read), wherever it lands
+        sys.exit(INTERRUPTED)

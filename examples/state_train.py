@@ -7,7 +7,9 @@
 checkpoint format) and how to ``sync``: the rank with the most recent state (the highest
 step, the "most tenured") broadcasts it, so workers that start without a checkpoint on
 their disk catch up. ``elastic.train`` loads the newest checkpoint at every start,
-calls ``sync``, then runs ``train_step`` until it returns True.
+calls ``sync``, then runs ``train_step`` until it returns True. Under ``elastic run`` a
+node leaving or joining does not restart these workers: ``elastic.train`` re-forms the
+process group in the new round and calls ``sync`` again (the new workers catch up).
 """
 
 from __future__ import annotations

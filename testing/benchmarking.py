@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +35,23 @@ def sample_stats(samples: list[float], digits: int = 4) -> dict[str, Any]:
         "max": round(max(samples), digits),
         "stdev": round(statistics.stdev(samples), digits) if len(samples) > 1 else 0.0,
     }
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median [min-max]`` of ``values`` in ``fmt`` (just the value when there is one)."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{format(med, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def commit() -> str:
+    """The checkout's short commit, for a report ("unknown" outside git)."""
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "unknown"
 
 
 def command_line() -> str:

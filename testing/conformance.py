@@ -258,11 +258,14 @@ class RendezvousConformance:
         a, b = nodes.make(run_id, 2, 2, n=2)
         rendezvous_all([a, b])
         assert not b.is_closed()
+        # A node of the job that arrives late: started before the job closed. (One
+        # started after it is a new job given a finished job's id: see the README.)
+        late = nodes.make(run_id, 2, 2)[0]
+        time.sleep(0.05)
         a.set_closed()
         # Other nodes may learn it through a background thread: allow them a moment.
         wait = nodes.target.detect_timeout
         assert wait_for(a.is_closed, wait) and wait_for(b.is_closed, wait)
-        late = nodes.make(run_id, 2, 2)[0]
         assert wait_for(late.is_closed, wait)
         with pytest.raises(RendezvousClosedError):
             late.next_rendezvous()

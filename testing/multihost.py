@@ -223,6 +223,38 @@ class FaultJob:
         self.stop_file.touch()
 
 
+def c10d_script_job(
+    cluster: Cluster,
+    workdir: Path,
+    source: str,
+    script_args: list[str],
+    *,
+    run_id: str,
+    nnodes: str,
+    args: list[str],
+    launcher: str = "ours",
+    env: dict[str, str] | None = None,
+) -> FaultJob:
+    """A c10d job (hosted by the first host, a 1 s last call) running the worker
+    ``source``, written to ``workdir/<run_id>_worker.py``, on every host (not started)."""
+    script = workdir / f"{run_id}_worker.py"
+    script.write_text(source)
+    return FaultJob(
+        cluster,
+        workdir / "job",
+        "c10d",
+        f"{cluster.hosts[0].name}:{C10D_PORT}",
+        launcher=launcher,
+        nnodes=nnodes,
+        conf={"last_call_timeout": 1},
+        args=args,
+        script=script,
+        script_args=script_args,
+        run_id=run_id,
+        env=env or {},
+    )
+
+
 def name_mapped_addresses(cluster: Cluster) -> None:
     """Name every host's IPv4-mapped IPv6 address in the hosts' ``/etc/hosts`` as well.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import C10D_PORT, START_RECORD, FaultJob
+from elastic.testing.multihost import START_RECORD, FaultJob, c10d_script_job
 
 # It writes the same start record as ``WORKER``, timed before any import (so
 # ``FaultJob.running_together`` and ``regroup_time`` work), then one JSON line per event to
@@ -150,19 +150,14 @@ def preempt_job(
     checkpointing under ``workdir/ckpt``; ``args`` the launcher flags (restarts, grace)."""
     ckpt = workdir / "ckpt"
     ckpt.mkdir(parents=True)
-    script = workdir / "preempt_worker.py"
-    script.write_text(PREEMPT_WORKER)
-    return FaultJob(
+    return c10d_script_job(
         cluster,
-        workdir / "job",
-        "c10d",
-        f"{cluster.hosts[0].name}:{C10D_PORT}",
-        launcher=launcher,
-        nnodes=nnodes,
-        conf={"last_call_timeout": 1},
-        args=args,
-        script=script,
-        script_args=[str(ckpt), str(steps), str(every), str(pause)],
+        workdir,
+        PREEMPT_WORKER,
+        [str(ckpt), str(steps), str(every), str(pause)],
         run_id="preempt",
-        env=env or {},
+        nnodes=nnodes,
+        args=args,
+        launcher=launcher,
+        env=env,
     )

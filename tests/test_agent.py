@@ -14,7 +14,8 @@ import pytest
 from conftest import make_spec, pid_alive
 from conftest import write_script as script
 from elastic.core.agent.loop import LocalElasticAgent
-from elastic.core.interfaces.job_keys import FAILED_KEY, RESTARTS_KEY
+from elastic.core.agent.restarts import restarts_used
+from elastic.core.interfaces.job_keys import FAILED_KEY
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -121,7 +122,7 @@ def test_restarts_until_success(tmp_path: Path, how: str) -> None:
     ]
     ports = {r.rsplit("_", 1)[1] for r in runs}
     assert len(ports) >= 2  # a fresh MASTER_PORT every attempt (the kernel may repeat one)
-    assert int(handler.store.get(RESTARTS_KEY)) == 2
+    assert restarts_used(handler.store) == 2
 
 
 def test_budget_exhausted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -241,7 +242,7 @@ def test_membership_change_restarts_without_using_the_budget(tmp_path: Path) -> 
     result, agent = run_agent(("-u", worker, str(tmp_path)), 1, handler=handler)
     assert result.state == WorkerState.SUCCEEDED
     assert len(list(tmp_path.glob("start_0_*"))) == 2
-    assert int(handler.store.add(RESTARTS_KEY, 0)) == 0
+    assert restarts_used(handler.store) == 0
     assert agent.get_worker_group().round == 1
 
 

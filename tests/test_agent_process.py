@@ -199,7 +199,8 @@ def test_cli_worker_env_matches_torchrun(tmp_path: Path, backend: str) -> None:
     for ours, theirs in zip(envs["elastic"], envs["torchrun"], strict=True):
         # Our own channels to the worker (preemption control, progress) come on top.
         extras = {k for k in ours if k.startswith("ELASTIC_")} - set(theirs)
-        assert extras <= {"ELASTIC_CONTROL_FILE", "ELASTIC_PROGRESS_FILE"}, extras
+        channels = {"ELASTIC_CONTROL_FILE", "ELASTIC_CONTROL_SLOT", "ELASTIC_PROGRESS_FILE"}
+        assert extras <= channels, extras
         assert sorted(set(ours) - extras) == sorted(theirs)
         differing = {k for k in theirs if ours[k] != theirs[k]}
         assert differing <= expected, {k: (ours[k], theirs[k]) for k in differing}

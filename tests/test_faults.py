@@ -11,7 +11,8 @@ limit below is checked against measured times, which the assertion messages show
   exit 0 within ``EXIT_LIMIT`` s of their workers finishing;
 - SIGKILL of a whole node: survivors run again within ``heartbeat_timeout + 1`` s;
 - a cut cable: the cut-off node stops its workers within ``heartbeat_timeout + 1`` s with
-  one line saying why, the survivors regroup, and after the heal it rejoins by itself;
+  one line saying why, and before the survivors start the round that replaces it (its
+  lease ends before they may count it lost); after the heal it rejoins by itself;
 - c10d store loss: every survivor exits non-zero within ``heartbeat_timeout + 1`` s with
   one line naming the store and pointing to etcd-v3; an etcd member lost changes nothing.
 
@@ -193,6 +194,15 @@ def test_cut_node_stops_its_workers_and_rejoins_after_heal(
         f"the cut-off node stopped its workers {fenced:.2f}s after the cut "
         f"(limit {LIVENESS_LIMIT:.1f}s)"
     )
+    # Never two worlds at once: the cut-off node's workers were stopped before any survivor
+    # started a worker of the round that replaced it (the lease ends before the verdict).
+    names = {h.name for h in survivors}
+    new_round = min(r["t"] for r in job.starts() if r["host"] in names and r["t"] > cut)
+    gap = new_round - job.stops(victim)[0]["t"]
+    assert gap > 0, (
+        f"the survivors' new round started {-gap:.2f}s before the cut-off node's workers "
+        f"were stopped\n{job.texts()}"
+    )
     lines = job.nodes[victim.name].text().splitlines()
     why = [ln for ln in lines if ln.startswith("elastic: cannot reach the rendezvous store")]
     assert len(why) == 1, job.nodes[victim.name].text()  # one line saying why
@@ -208,7 +218,8 @@ def test_cut_node_stops_its_workers_and_rejoins_after_heal(
     setup.finish(setup.nodes)
     print(
         f"{backend} cut: survivors regrouped in {took:.2f}s, the cut-off node stopped its "
-        f"workers after {fenced:.2f}s, 3 nodes again {rejoined:.2f}s after the heal"
+        f"workers after {fenced:.2f}s ({gap:.2f}s before the survivors' new round), 3 nodes "
+        f"again {rejoined:.2f}s after the heal"
     )
 
 

@@ -21,6 +21,8 @@ from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.testing.cluster import Cluster
 
+pytest_plugins = ["elastic.testing.etcd"]
+
 HOST = "127.0.0.1"
 WHERE = "the test store"
 INTERVAL, TIMEOUT = 0.2, 1.0
@@ -42,7 +44,7 @@ from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore.view import Connection, PrefixStore
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 store = PrefixStore(Connection(host, port, timeout=30.0), "job/")
-store.heartbeat(R.hb_key("a"), "1 0")
+store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
 monitor = Monitor(store, "b", interval={INTERVAL}, timeout={TIMEOUT})
 monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
 monitor.start()
@@ -70,7 +72,7 @@ def member_monitor(port: int, interval: float, timeout: float) -> tuple[Monitor,
     """A running monitor of node "b", rank 1 of a formed round with "a"; "a" beats once."""
     conn = Connection(HOST, port, timeout=30.0)
     store = PrefixStore(conn, "job/")
-    store.heartbeat(R.hb_key("a"), "1 0")
+    store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
     monitor = Monitor(store, "b", interval=interval, timeout=timeout)
     monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
     monitor.start()
@@ -127,7 +129,7 @@ def test_a_paused_store_whose_host_answers_never_fences(cluster_factory: Callabl
     time.sleep(4 * TIMEOUT)
     server.send_signal(signal.SIGCONT)
     fenced, err = changes(member)
-    assert fenced == [], fenced
+    assert fenced == [], (fenced, err)
     assert "overloaded or paused, not unreachable" in err, err
 
 
@@ -143,3 +145,102 @@ def test_a_store_cut_off_fences_within_the_timeout(cluster_factory: Callable) ->
     assert TIMEOUT <= took <= TIMEOUT + INTERVAL + 1.5, took  # timeout, one tick, slack
     assert f"cannot reach the rendezvous store at {WHERE}" in fenced[0]["fenced"]
     assert "heartbeat_timeout=1s" in fenced[0]["fenced"]
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_member_costs_the_store_two_requests_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three c10d handlers (defaults: a keep-alive and a tick a second) in a formed round,
+    each with the agent's job watch running: the store answers each node's keep-alive
+    (COMPARE_SET) and one MULTI_GET a second, nothing else (no WAIT, no job-watch read)."""
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import free_port
+    from elastic.core.agent.job_watch import JobWatch
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.core.tcpstore import server as server_module
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    counts: dict[int, Counter[str]] = {}
+    handle = server_module.TCPStoreServer._handle
+
+    def counted(self: Any, conn: Any, req: Any) -> None:
+        counts.setdefault(id(self), Counter())[req.query.name] += 1
+        handle(self, conn, req)
+
+    monkeypatch.setattr(server_module.TCPStoreServer, "_handle", counted)
+    port = free_port()
+    params = RendezvousParameters("c10d", f"{HOST}:{port}", "count", 3, 3)
+    handlers = [create_handler(params) for _ in range(3)]
+    watches = []
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        watches = [JobWatch(i.store, i.round, 1.0, h) for h, i in zip(handlers, infos, strict=True)]
+        time.sleep(2.0)  # every tick has its job keys now
+        busiest = max(counts.values(), key=lambda c: sum(c.values()))
+        before = Counter(busiest)
+        seconds = 6.0
+        time.sleep(seconds)
+        during = Counter(busiest)
+        during.subtract(before)
+        per_node_second = {k: v / (3 * seconds) for k, v in during.items() if v}
+        print("requests per node per second:", per_node_second)
+        assert set(per_node_second) <= {"COMPARE_SET", "MULTI_GET"}, per_node_second
+        assert sum(per_node_second.values()) <= 2.2, per_node_second  # one of each, a late tick
+    finally:
+        for watch in watches:
+            watch.stop()
+        for h in sorted(handlers, key=lambda h: h.is_hosting):
+            h.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_store_paused_for_three_seconds_fences_nobody(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Default settings (keep-alive every second, heartbeat_timeout 5 s, lease 4 s): the
+    store's process (the c10d store server, the etcd server) stops for 3 s (SIGSTOP, then
+    SIGCONT). Nobody is cut off, so nobody fences: on c10d the keep-alive waiting in the
+    paused store is waited for; on etcd the lease outlasts the pause."""
+    if backend == "c10d":
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, HOST], stdout=subprocess.PIPE, text=True
+        )
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        store: Any = PrefixStore(Connection(HOST, port, timeout=30.0), "job/")
+        lease_store: Any = PrefixStore(Connection(HOST, port, timeout=10.0), "job/")
+    else:
+        from elastic.plugins.rdzv_etcd_v3.client import V3Config
+        from elastic.plugins.rdzv_etcd_v3.store import EtcdV3Store
+
+        cluster = request.getfixturevalue("etcd_v3_server")
+        proc = cluster.members[0].proc
+        config = V3Config(cluster.endpoint, read_timeout=5 / 3)
+        store = EtcdV3Store(config, "/job/", lease_ttl=10)
+        lease_store = EtcdV3Store(config, "/job/", lease_ttl=10)
+    monitor = Monitor(store, "b", interval=1.0, timeout=5.0, lease_store=lease_store)
+    try:
+        store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
+        monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
+        monitor.start()
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(3.0)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            assert monitor.fenced(WHERE) is None, monitor.fenced(WHERE)
+            time.sleep(0.05)
+    finally:
+        monitor.stop(wait=False)
+        store.close()
+        lease_store.close()
+        if backend == "c10d":
+            proc.kill()
+            proc.wait()

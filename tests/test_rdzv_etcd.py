@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import etcd
 import pytest
+from elastic.core.agent.restarts import claim_restart
 from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -181,7 +182,8 @@ def test_describe_is_read_only(backend: str, etcd_server_shared: EtcdCluster) ->
     run = f"desc-{backend}"
     hs = handlers(backend, etcd_server_shared.endpoint, run, 2)
     infos = rendezvous(hs)
-    infos[0].store.add("agent/restarts", 2)
+    claim_restart(infos[0].store, 0, "a")
+    claim_restart(infos[0].store, 1, "a")
     viewer_params = params(backend, etcd_server_shared.endpoint, run, 2)
     viewer_params.read_only = True
     status = get_rendezvous_handler(viewer_params).describe()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -213,6 +214,86 @@ def test_watch_redraws_until_interrupted(job: Job, procs: Processes) -> None:
     time.sleep(3)
     watcher.send_signal(signal.SIGINT)
     out, err = watcher.communicate(timeout=30)
-    assert watcher.returncode == 0, err
+    assert watcher.returncode == 130, err
     assert out.count(f"job statusjob ({job.backend}): running") >= 2  # redrawn
     assert "Traceback" not in err
+
+
+def watchers_interrupted(
+    job: Job,
+    procs: Processes,
+    tmp_path: Path,
+    count: int,
+    delays: tuple[float, float],
+    once_drawn: Callable[[], object] = lambda: None,
+) -> list[str]:
+    """Start ``count`` watchers at once; once each has drawn (and ``once_drawn`` ran),
+    SIGINT each after a random delay in ``delays`` (s); what went wrong with each, if
+    anything (an exit that is not 130 within a few seconds, or a traceback)."""
+    started = []
+    for i in range(count):
+        out, err = tmp_path / f"watch{i}.out", tmp_path / f"watch{i}.err"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            proc = procs.elastic(
+                "status",
+                f"--rdzv-backend={job.backend}",
+                f"--rdzv-endpoint={job.endpoint}",
+                "--rdzv-id=statusjob",
+                "--watch=0.3",
+                stdout=stdout,
+                stderr=stderr,
+            )
+        started.append((proc, out, err, random.uniform(*delays)))
+    assert wait_until(lambda: all(o.stat().st_size for _, o, _, _ in started), timeout=90)
+    once_drawn()
+    drawn = time.monotonic()
+    problems = []
+    for proc, _out, err, delay in sorted(started, key=lambda s: s[3]):
+        time.sleep(max(0.0, drawn + delay - time.monotonic()))
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            problems.append(f"still running 10 s after SIGINT at +{delay:.2f}s")
+            continue
+        took = time.monotonic() - sent
+        text = err.read_text()
+        if proc.returncode != 130 or "Traceback" in text or took > 5:
+            problems.append(f"+{delay:.2f}s: exit {proc.returncode} after {took:.1f}s: {text}")
+    return problems
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_ends_watch_wherever_it_lands(job: Job, procs: Processes, tmp_path: Path) -> None:
+    """20 SIGINTs at random points of the redraw cycle (the handler being made, a store
+    call, the sleep), from 4 watchers at a time (each other's load)."""
+    job("--rdzv-conf", job.fast)
+    job("--rdzv-conf", job.fast)
+    wait_for_members(job, 2)
+    problems = []
+    for _ in range(5):
+        problems += watchers_interrupted(job, procs, tmp_path, 4, (0.0, 1.2))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", ["c10d"], indirect=True)
+def test_ctrl_c_ends_watch_while_the_store_host_does_not_answer(
+    job: Job, procs: Processes, tmp_path: Path
+) -> None:
+    """The agents stopped (SIGSTOP) once the watchers drew: their next store calls hang
+    until read_timeout (10 s); Ctrl-C must not wait for that."""
+    agents = [job("--rdzv-conf", job.fast), job("--rdzv-conf", job.fast)]
+    wait_for_members(job, 2)
+
+    def stop_agents() -> None:
+        for agent in agents:
+            os.killpg(agent.pid, signal.SIGSTOP)
+
+    try:
+        problems = watchers_interrupted(job, procs, tmp_path, 4, (0.5, 3.0), stop_agents)
+    finally:
+        for agent in agents:
+            os.killpg(agent.pid, signal.SIGCONT)
+    assert not problems, "\n".join(problems)

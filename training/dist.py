@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from typing import Any
+
+from elastic.core.workers.control_file import READY
+from elastic.training import control
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# How the default group was made here, so a regroup re-creates it alike.
+_made: dict[str, Any] = {}
 
 
 def default_backend() -> str:
@@ -52,5 +59,60 @@ def init_process_group(
 
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Workers kept from the last round wait for this before they stop to join us.
+    control.set_mine(READY, 1)
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
+    _made.update(backend=backend, timeout=timeout, kwargs=kwargs)
     return backend
+
+
+def leave_group() -> None:
+    """Tear the default process group down, even when a peer died under it.
+
+    gloo's group is destroyed. NCCL communicators blocked on (or poisoned by) a dead peer
+    would hang a plain destroy, so they are aborted first (``_abort_process_group``,
+    torch 2.13). Tested on CPU (gloo) only."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    backend = str(dist.get_backend())
+    _made.setdefault("backend", backend)  # a group the script made itself
+    if "nccl" in backend:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+        if not dist.is_initialized():
+            return
+    dist.destroy_process_group()
+
+
+def rejoin_group() -> str:
+    """Create the default group again from the (updated) environment, as it was made."""
+    import torch.distributed as dist
+
+    backend = _made.get("backend") or default_backend()
+    timeout = _made.get("timeout", DEFAULT_TIMEOUT)
+    _wait_for_store(timeout.total_seconds())
+    dist.init_process_group(
+        backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
+    )
+    return backend
+
+
+def _wait_for_store(limit: float) -> None:
+    """Until rank 0's new store listens at ``MASTER_ADDR:MASTER_PORT`` (or ``limit`` s).
+
+    Every rank learns a new round at about the same moment; a client whose connection is
+    refused backs off (torch's TCPStore: hundreds of ms) although the store comes up a few
+    ms later. Polling the port first every few ms takes that back-off out of a regroup."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(address, timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.005)

@@ -3,18 +3,26 @@
 The contract: ``train_step(state)`` does one unit of work (typically one mini-batch) and
 returns True when training is done, anything falsy to go on.
 
-Every process start (the first, and every restart after a failure or membership
-change, since the agent restarts all workers) loads the newest checkpoint, if any, and
-calls ``state.sync`` so workers that have no checkpoint get the most tenured worker's
-state. A step that raises is rolled back: the snapshot captured before it is applied,
-``sync`` is called and the step is tried again, up to ``max_step_retries`` times in a
-row; after that, or when the state returns no snapshot (rollback not supported), the
-exception propagates and the agent restarts the workers.
+A process start loads the newest checkpoint, if any, and calls ``state.sync`` so workers
+that have no checkpoint get the most tenured worker's state. A step that raises is rolled
+back: the snapshot captured before it is applied, ``sync`` is called and the step is
+tried again, up to ``max_step_retries`` times in a row; after that, or when the state
+returns no snapshot (rollback not supported), the exception propagates and the agent
+restarts the workers.
 
 When ``torch.distributed`` is initialized, ranks agree after every step (one small
-all_reduce) on whether any of them failed or is done, so they roll back and stop
-together. A step that raises must therefore not leave a collective half-issued: raise
-before or after the step's collectives, or let the process die and be restarted.
+all_reduce) on whether any of them failed, is done, saw a preemption notice or was asked
+to regroup, so they roll back and stop together. A step that raises must therefore not
+leave a collective half-issued: raise before or after the step's collectives, or let the
+process die and be restarted.
+
+Under ``elastic run`` the workers regroup in place (``elastic.training.regroup``): on a
+membership change (a node preempted, gone or joining) every rank stops at the same step
+boundary, re-creates the process group in the agent's new round, calls
+``state.sync(world_size, rank)`` (the new ranks get the most tenured worker's state) and
+goes on: no process restart, nothing loaded from disk. When the agreement itself fails
+(a peer died mid-collective), the step is rolled back to its snapshot and the worker
+waits for the new round the same way; without a snapshot it cannot, and raises.
 
 Every step (and every checkpoint save) calls ``elastic.heartbeat()``: under
 ``elastic run --stall-timeout`` the worker is judged by those heartbeats.
@@ -24,13 +32,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
+from elastic.training import regroup
 from elastic.training.heartbeat import heartbeat
-from elastic.training.preemption import checkpoint_requested, checkpoint_saved
+from elastic.training.preemption import checkpoint_requested, checkpoint_saved, mark_saved
 from elastic.training.state import State
 
 GROUP = "elastic.train"
@@ -83,6 +93,7 @@ def train(
     max_step_retries: int = 3,
     world_size: int | None = None,
     rank: int | None = None,
+    regroup_in_place: bool = True,
 ) -> int:
     """Run ``train_step(state)`` until it returns True; return the number of the last
     completed step (steps restored from a checkpoint count).
@@ -91,7 +102,9 @@ def train(
     ``ELASTIC_CHECKPOINT`` when it is set (no checkpoints otherwise; pass ``""`` to
     ignore the variable). A checkpoint is saved every ``checkpoint_every`` steps and
     once more when training is done. ``world_size`` and ``rank`` default to the
-    launcher's ``WORLD_SIZE`` and ``RANK``.
+    launcher's ``WORLD_SIZE`` and ``RANK``. ``regroup_in_place=False`` keeps the workers
+    out of in-place regrouping: a membership change then restarts them (and a preemption
+    notice stops them after the save), as under torchrun.
     """
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -99,15 +112,14 @@ def train(
     rank = _env_int("RANK", 0) if rank is None else rank
     saver = _resolve_checkpointer(checkpointer)
 
+    # under elastic run: keep running through membership changes
+    in_place = regroup_in_place and regroup.opt_in()
     step = 0
     if saver is not None:
         with timed("checkpoint.load", GROUP):
             loaded = saver.load_latest(state.load)
         step = loaded or 0
-    state.sync(world_size, rank)
-    # Ranks without the checkpoint (a node's local disk) got the state from sync; they
-    # take the step number from the most tenured rank too.
-    step = _all_reduce_max([step])[0]
+    step = _sync(state, step, world_size, rank)
     saved_at = step
 
     retries = 0
@@ -115,15 +127,33 @@ def train(
         snapshot = state.capture_snapshot()
         error: BaseException | None = None
         done = False
+        began = time.monotonic()
         try:
             done = bool(train_step(state))
         except Exception as exc:
             error = exc
         heartbeat()  # a step ran: progress for the agent's --stall-timeout
-        # One all_reduce: did any rank fail, finish, or see a preemption notice?
-        any_failed, any_done, preempted = _all_reduce_max(
-            [error is not None, done, checkpoint_requested()]
-        )
+        regroup.note_step(time.monotonic() - began)
+        try:
+            # One all_reduce: did any rank fail, finish, see a preemption notice, or is
+            # the job re-forming?
+            changing = in_place and regroup.membership_changed()
+            any_failed, any_done, preempted, changed = _all_reduce_max(
+                [error is not None, done, checkpoint_requested(), changing]
+            )
+        except Exception as broke:  # the group broke under us: a peer died mid-step
+            if not in_place or snapshot is None:
+                raise  # as before: the worker fails and the agent restarts it
+            state.apply_snapshot(snapshot)  # every survivor redoes this step
+            put_metric("rollback", 1, GROUP)
+            print(
+                f"elastic: train step {step + 1} broke ({broke!r}); rolled back, "
+                "waiting for the job to re-form",
+                file=sys.stderr,
+            )
+            world_size, rank = regroup.regroup(broken=True)
+            step = _sync(state, step, world_size, rank)
+            continue
         if any_failed:
             retries += 1
             if snapshot is None or retries > max_step_retries:
@@ -151,9 +181,21 @@ def train(
             heartbeat()  # a long save is progress too
         if any_done:
             return step
-        if preempted:  # every rank is at this same step: save it, then wait to re-form
+        if preempted:  # every rank is at this same step: save it, then re-form
             if saver is not None and step != saved_at:
                 with timed("checkpoint.save", GROUP):
                     saver.save(step, state.save)
                 saved_at = step
-            checkpoint_saved()
+            if not in_place:
+                checkpoint_saved()  # waits to be stopped: the job restarts from the save
+            mark_saved()
+        if in_place and (preempted or changed):
+            world_size, rank = regroup.regroup()
+            step = _sync(state, step, world_size, rank)
+
+
+def _sync(state: State, step: int, world_size: int, rank: int) -> int:
+    """``state.sync``, then the step number of the most tenured rank (ranks that started
+    without the checkpoint, or joined, got the state from sync; the step comes with it)."""
+    state.sync(world_size, rank)
+    return _all_reduce_max([step])[0]

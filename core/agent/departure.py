@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+from elastic.core.agent.restarts import restart_claimed
 from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces import failures as fail
-from elastic.core.interfaces.job_keys import CLAIM_KEY
 from elastic.core.interfaces.rendezvous import RendezvousHandler
 from elastic.core.interfaces.store import Store
 
@@ -29,20 +30,24 @@ def departure_caused(
     round_: int,
     records: list[fail.FailureRecord],
     sleep: Callable[[float], None] = time.sleep,
+    call: Callable[..., Any] = store_call,
 ) -> bool:
     """At once if a departure is already known (a departing node says so before its
     workers stop); otherwise, unless the workers' own errors show a failure of their
     own, after waiting up to ``PEER_LOSS_WAIT`` for the rendezvous to confirm a crashed
-    peer. Another node claiming a restart first means a real failure."""
-    if store_call(handler.membership_changed):
+    peer. Another node claiming a restart first means a real failure.
+
+    ``call`` makes each store call (the agent's ``BoundedCalls``: a partition meanwhile
+    fences this node instead of holding it for the store client's timeout)."""
+    if call(handler.membership_changed):
         return True
     if not all(fail.may_be_peer_loss(record) for record in records):
         return False
     deadline = time.monotonic() + PEER_LOSS_WAIT
     while time.monotonic() < deadline:
         sleep(0.25)
-        if store_call(handler.membership_changed):
+        if call(handler.membership_changed):
             return True
-        if store is not None and store_call(store.check, [CLAIM_KEY.format(round_)]):
+        if store is not None and call(restart_claimed, store, round_):
             return False  # another node's workers failed first: a real failure
     return False

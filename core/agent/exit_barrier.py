@@ -4,13 +4,15 @@ finishing."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Callable
+from typing import Any
 
 from elastic.core.agent.store_call import store_call
-from elastic.core.interfaces.job_keys import BARRIER_KEY, CLAIM_KEY, FAILED_KEY
-from elastic.core.interfaces.rendezvous import RendezvousError
+from elastic.core.interfaces.job_keys import BARRIER_KEY, BUDGET_KEY, FAILED_KEY, parse_budget
+from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousFencedError
 from elastic.core.interfaces.store import Store
 
 
@@ -21,30 +23,56 @@ class BarrierEnd(enum.Enum):
 
 
 def exit_barrier(
-    store: Store, round_: int, world_size: int, timeout: float, lost: Callable[[], list[str]]
+    store: Store,
+    round_: int,
+    world_size: int,
+    timeout: float,
+    lost: Callable[[], list[str]],
+    call: Callable[..., Any] = store_call,
 ) -> BarrierEnd:
     """Wait (up to ``timeout`` s) for every node of the round that is still a member
     to finish. A node that left or died is never waited for: the barrier is done once
-    every other member has arrived."""
+    every other member has arrived.
+
+    ``call`` makes each store call (the agent's ``BoundedCalls``). A store this node
+    cannot reach for a while (a partition: ``RendezvousFencedError``) does not end the
+    barrier: its workers succeeded, so it goes on asking until the store answers or the
+    timeout passes."""
     key = BARRIER_KEY.format(round_)
-    store_call(store.add, key, 1)
     # One read per poll: a whole job finishing at once polls together.
-    keys = [f"{key}/done", FAILED_KEY, CLAIM_KEY.format(round_), key]
+    keys = [f"{key}/done", FAILED_KEY, BUDGET_KEY, key]
     deadline = time.monotonic() + timeout
+    counted = False
     while time.monotonic() < deadline:
-        done, failed, claim, arrived = store_call(store.multi_get, keys)
+        try:
+            if not counted:
+                call(store.add, key, 1)
+                counted = True
+            done, failed, budget, arrived = call(store.multi_get, keys)
+        except RendezvousFencedError:
+            time.sleep(0.1)  # cut off for now: the store may answer again before the timeout
+            continue
         if done:
             return BarrierEnd.DONE
         if failed:
             return BarrierEnd.FAILED
-        if claim:
+        if round_ in parse_budget(budget)[1]:
             return BarrierEnd.RESTART
         try:
             gone = len(lost())
         except RendezvousError:
             gone = 0  # cannot tell (fenced): wait for everyone, bounded by the timeout
-        if int(arrived or b"0") >= world_size - gone:
-            store_call(store.set, f"{key}/done", "1")
+        if _count(arrived) >= world_size - gone:
+            with contextlib.suppress(RendezvousFencedError):  # the others count arrivals too
+                call(store.set, f"{key}/done", "1")
             return BarrierEnd.DONE
         time.sleep(0.1)
     return BarrierEnd.DONE  # as torch: a peer that never arrives does not fail this node
+
+
+def _count(raw: bytes) -> int:
+    """The arrivals counter; anything but a number (anyone may write one) is none yet."""
+    try:
+        return int(raw or b"0")
+    except ValueError:
+        return 0

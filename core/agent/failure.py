@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from elastic.core.agent.restarts import claim_restart, give_up
 from elastic.core.agent.store_call import store_call
@@ -77,15 +78,18 @@ def publish_and_decide(
     first_attempt: bool,
     max_restarts: int,
     told: Callable[[fail.FailureRecord], None],
+    call: Callable[..., Any] = store_call,
 ) -> str | None:
     """Publish the records job-wide (``told`` each one once it is), then claim a restart;
     why the job ends (after giving up for every node), or None to restart.
 
     The agent calls this before it stops the failed workers' siblings: peers learn of the
     failure (the restart claim, the failed flag) while the siblings' grace period runs.
+    ``call`` makes every store call (the agent's ``BoundedCalls``: a partition meanwhile
+    fences this node, which rejoins, instead of ending it).
     """
     for record in records:
-        store_call(fail.publish, store, record)
+        call(fail.publish, store, record)
         told(record)
     first = min(records, key=lambda r: r.timestamp)
     what = f"worker rank {first.rank} (local rank {first.local_rank}) " + (
@@ -94,33 +98,46 @@ def publish_and_decide(
     final = None
     if first_attempt and any(map(fail.is_deterministic_startup_failure, records)):
         final = f"{what} at start-up ({first.message}); not restarting"
-    elif claim_restart(store, round_, node_id) > max_restarts:
+    elif call(claim_restart, store, round_, node_id) > max_restarts:
         final = f"{what}; restart budget exhausted (max_restarts={max_restarts})"
     if final is not None:
-        give_up(store, handler)
+        call(give_up, store, handler)
     return final
 
 
-def report_failure(store: Store | None, run_id: str, host: PluginHost | None, message: str) -> int:
+def report_failure(
+    store: Store | None,
+    run_id: str,
+    host: PluginHost | None,
+    message: str,
+    call: Callable[..., Any] = store_call,
+) -> int:
     """Hand the job-wide failure summary to ``elastic_run_failed``; the exit code.
 
-    Without a summary (no record published, store gone) or without any implementation of
-    the hook, print one line ourselves so a failed run never ends silently.
+    Without a summary (no record published, store gone or cut off: ``call`` bounds the
+    read) or without any implementation of the hook, print one line ourselves so a
+    failed run never ends silently.
     """
     summary = None
     if store is not None:
         with contextlib.suppress(Exception):
-            records = fail.collect(store)
+            records = call(fail.collect, store)
             if records:
                 summary = fail.summarize(run_id, records)
-    reported = False
-    if summary is not None and host is not None:
-        try:
-            impls = host.pm.hook.elastic_run_failed.get_hookimpls()
-            host.call_strict("elastic_run_failed", summary=summary)
-            reported = bool(impls)
-        except Exception as exc:  # loud, but the exit code must still be right
-            say(f"elastic: failure reporting raised {exc!r}", logging.ERROR)
+    reported = summary is not None and report_summary(summary, host)
     if not reported:
         say(f"elastic: run failed: {message}", logging.ERROR)
     return summary.exit_code if summary is not None else 1
+
+
+def report_summary(summary: fail.FailureSummary, host: PluginHost | None) -> bool:
+    """Hand ``summary`` to ``elastic_run_failed``; whether a plugin reported it."""
+    if host is None:
+        return False
+    try:
+        impls = host.pm.hook.elastic_run_failed.get_hookimpls()
+        host.call_strict("elastic_run_failed", summary=summary)
+        return bool(impls)
+    except Exception as exc:  # loud, but the exit code must still be right
+        say(f"elastic: failure reporting raised {exc!r}", logging.ERROR)
+        return False

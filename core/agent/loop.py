@@ -5,9 +5,11 @@ environment, watches them (``monitor``) until something ends the attempt, and de
 success waits at the exit barrier (``exit_barrier``); a local failure is recorded and
 costs one restart of the job-wide budget, or ends the job (``failure``, ``restarts``),
 unless a departing node caused it (``departure``); a node arriving or leaving re-forms
-the group for free. Signals sent to the agent are forwarded to every worker's process
-group, and the agent exits with ``128 + signum`` once they are gone; a preemption notice
-first has the job checkpoint (``checkpoint_on_notice``).
+the group for free, and workers that can regroup in place keep running through it
+(``regroup``: the new round handed to them through the control file). Signals sent to
+the agent are forwarded to every worker's process group, and the agent exits with
+``128 + signum`` once they are gone; a preemption notice first has the job checkpoint
+(``checkpoint_on_notice``).
 
 The hang watchdog, the FileTimer server and the health endpoint are built-in plugins
 (``elastic.core.watchdog.builtin``) on the agent's plugin host, called through the same
@@ -17,6 +19,7 @@ hooks as anyone's. The agent never imports torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -28,10 +31,23 @@ from elastic.core.agent.departure import departure_caused
 from elastic.core.agent.exit_barrier import BarrierEnd, exit_barrier
 from elastic.core.agent.failure import failure_records, publish_and_decide, report_failure
 from elastic.core.agent.job_watch import JobWatch
+from elastic.core.agent.joining import Joining, leave_alone
 from elastic.core.agent.monitor import watch_attempt
 from elastic.core.agent.outcome import AttemptEnd, Outcome
+from elastic.core.agent.regroup import (
+    RoundWatch,
+    announce_finished,
+    announce_replaced,
+    can_regroup,
+    finished,
+    hand_over,
+    replaced_in,
+    wait_ready,
+    wait_taken,
+)
 from elastic.core.agent.restarts import job_failed, restarts_used
 from elastic.core.agent.start import place_group, start_workers
+from elastic.core.agent.store_call import BoundedCalls
 from elastic.core.interfaces import failures as fail
 from elastic.core.interfaces.agent import ElasticAgent
 from elastic.core.interfaces.rendezvous import (
@@ -114,6 +130,10 @@ class LocalElasticAgent(ElasticAgent):
         self._say: Say | None = None if quiet else say_stderr
         self._handler.set_progress(self._say)
         self._last_info: RendezvousInfo | None = None
+        # Store calls on the decision paths: bounded by the handler's fencing (store_call).
+        self._calls = BoundedCalls(self._handler)
+        # Whether this node has joined the job (a failure before that is its own).
+        self._joining = Joining()
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -165,8 +185,8 @@ class LocalElasticAgent(ElasticAgent):
             )
         # Tell the job first: the survivors regroup while our workers wind down, and a
         # departure never spends the restart budget or looks like a finished node.
-        with contextlib.suppress(Exception):
-            self._handler.leave()
+        with contextlib.suppress(Exception):  # cut off: fenced, the others see us lost
+            self._calls(self._handler.leave)
         self._stop(signum, self._spec.shutdown_timeout)
         message = f"the agent received {name}; its workers were stopped"
         say(f"elastic: {message}", logging.WARNING)
@@ -174,24 +194,17 @@ class LocalElasticAgent(ElasticAgent):
 
     # --- the loop: rendezvous, start, watch, decide ----------------------------------------
     def _loop(self) -> RunResult:
-        prev_world_size: int | None = None
         while True:
             info = self._rendezvous()
             if isinstance(info, RunResult):
                 return info
             try:
-                if prev_world_size is not None and prev_world_size != info.world_size:
-                    self._notify(
-                        "elastic_membership_changed",
-                        old_world_size=prev_world_size,
-                        new_world_size=info.world_size,
-                        round=info.round,
-                    )
-                prev_world_size = info.world_size
-                if job_failed(self._store):
+                if self._calls(job_failed, self._store):
                     return self._final_failure("the job failed on another node")
                 result = self._attempt(info)
             except RendezvousFencedError as exc:
+                # Cut off (a partition, the job declared us lost, a store call on the way
+                # to a decision unanswered): stop the workers, rejoin when the store answers.
                 self._stop(signal.SIGTERM, FENCE_GRACE)
                 say(f"elastic: {exc}", logging.WARNING)
                 self._notify("elastic_restart", group=self._group, reason="fenced")
@@ -223,43 +236,127 @@ class LocalElasticAgent(ElasticAgent):
         line = round_line(self._last_info, info) if self._say is not None else None
         if line is not None:  # our workers are stopped: the line cannot split one of theirs
             self._say(line)
-        self._last_info = info
+        prev, self._last_info = self._last_info, info
         self._notify("elastic_rendezvous_complete", info=info, duration=time.monotonic() - t0)
+        if prev is not None and prev.world_size != info.world_size:  # restarted or in place
+            self._notify(
+                "elastic_membership_changed",
+                old_world_size=prev.world_size,
+                new_world_size=info.world_size,
+                round=info.round,
+            )
         return info
 
     def _closed(self) -> RunResult:
         """The rendezvous is closed: the job ended, successfully unless it failed."""
         if self._attempts > 0:
-            with contextlib.suppress(RendezvousConnectionError):
-                if job_failed(self._store):
+            with contextlib.suppress(RendezvousError):
+                if self._calls(job_failed, self._store):
                     return self._final_failure("the job failed on another node")
-            # The others finished the job while this node was out of it (fenced, or
-            # between rounds). A scheduler must see success.
-            say(
-                "elastic: the job finished on the other nodes while this node was "
-                "regrouping; nothing left to run"
-            )
+        # The others finished the job while this node was out of it (fenced, between
+        # rounds, or late to start). A scheduler must see success, and the user why.
+        say(
+            "elastic: the job finished on the other nodes while this node was "
+            "regrouping; nothing left to run"
+        )
         return RunResult(WorkerState.SUCCEEDED, message="rendezvous is closed")
 
     def _attempt(self, info: RendezvousInfo) -> RunResult | None:
         """Start workers for this round, watch them, decide. None means: rendezvous again."""
-        restarts = restarts_used(info.store)
+        restarts = self._calls(restarts_used, info.store)
+        self._joining.attempt_started(info.store, info.round, self._calls)
         self._guard.check()
         error = self._start(info, restarts)
         if error is not None:
             self._stop(signal.SIGKILL, 0)
             return self._one_line_failure(error)
-        coordinator = self._coordinator
-        end = watch_attempt(
+        counted = False  # whether this node counted itself ready for the round (READY_KEY)
+        while True:
+            coordinator = self._coordinator
+            assert coordinator is not None  # _start made it
+            try:
+                end = watch_attempt(
+                    self._workers,
+                    JobWatch(info.store, info.round, FAILED_CHECK_INTERVAL, self._handler),
+                    interval=self._spec.monitor_interval,
+                    sleep=self._sleep,
+                    handler=self._handler,
+                    check_plugins=self._check_plugins,
+                    relay_checkpoint=functools.partial(self._calls, coordinator.relay),
+                    regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
+                )
+            finally:  # fenced or not, workers that ran past start-up made this node a member
+                self._joining.attempt_ended()
+            if not can_regroup(end.outcome, coordinator.control, self._workers):
+                return self._decide(info, end)
+            regrouped = self._regroup_in_place(end.outcome)
+            if not isinstance(regrouped, tuple):
+                return regrouped
+            info, counted = regrouped
+            # Workers that took a new round in place have trained in this job.
+            self._joining.ran = True
+
+    def _regroup_in_place(self, outcome: Outcome) -> tuple[RendezvousInfo, bool] | RunResult | None:
+        """The job re-forms and our workers can follow it (``core/agent/regroup.py``):
+        join the next round and hand it to them; workers that do not take it in time are
+        restarted in it. Returns the round to watch and whether this node counted itself
+        ready for it (it did), or what ``_attempt`` returns."""
+        assert self._coordinator is not None
+        control = self._coordinator.control
+        if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
+            control.request_regroup()
+        info = self._rendezvous()
+        if isinstance(info, RunResult) or self._calls(job_failed, info.store):
+            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+            if isinstance(info, RunResult):
+                return info
+            return self._final_failure("the job failed on another node")
+        # Until every node's workers can join, ours train on in the old group if they can.
+        wait_ready(info.store, info.round, info.world_size, self._workers, self._sleep)
+        if finished(self._workers, self._sleep):  # meanwhile, in the old round
+            # The new round's new workers wait for a group that will not come: their
+            # agents see the job finished and meet us at this round's exit barrier.
+            announce_finished(info.store, info.round)
+            return self._succeeded(info)
+        control.request_regroup()  # every rank stops at one step boundary
+        restarts = self._calls(restarts_used, info.store)
+        place_group(self._group, info, restarts)
+        self._coordinator = Coordinator(info.store, info.round, control)
+        generation = hand_over(
+            control,
+            self._group,
             self._workers,
-            JobWatch(info.store, info.round, FAILED_CHECK_INTERVAL),
-            interval=self._spec.monitor_interval,
-            sleep=self._sleep,
-            handler=self._handler,
-            check_plugins=self._check_plugins,
-            relay_checkpoint=coordinator.relay if coordinator is not None else None,
+            run_id=self._handler.get_run_id(),
+            use_agent_store=self._handler.use_agent_store,
+            error_files={r: logs.error_file for r, logs in self._logs.items()},
         )
-        return self._decide(info, end)
+        store, round_ = info.store, info.round
+
+        def replaced() -> bool:
+            try:
+                return bool(self._calls(replaced_in, store, round_))
+            except RendezvousError:
+                return False  # cannot tell: the bound decides
+
+        if wait_taken(
+            control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
+        ):
+            self._notify("elastic_workers_started", group=self._group)
+            return info, True
+        with contextlib.suppress(RendezvousError):
+            self._calls(announce_replaced, store, round_)
+        say(
+            "elastic: the workers did not take the new round in time (stuck in a "
+            "collective?); restarting them",
+            logging.WARNING,
+        )
+        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        self._notify("elastic_restart", group=self._group, reason="regroup_timeout")
+        error = self._start(info, restarts)
+        if error is not None:
+            self._stop(signal.SIGKILL, 0)
+            return self._one_line_failure(error)
+        return info, True
 
     def _decide(self, info: RendezvousInfo, end: AttemptEnd) -> RunResult | None:
         outcome = end.outcome
@@ -297,7 +394,7 @@ class LocalElasticAgent(ElasticAgent):
         def process_env(local_rank: int, error_file: str) -> dict[str, str]:
             return {
                 **self._host.worker_process_env(local_rank, error_file),
-                **control.worker_env(),
+                **control.worker_env(local_rank),
             }
 
         signals = {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals)}
@@ -335,7 +432,12 @@ class LocalElasticAgent(ElasticAgent):
         timeout = self._exit_barrier_timeout
         with self._guard.waiting():
             barrier = exit_barrier(
-                info.store, info.round, info.world_size, timeout, self._handler.lost_nodes
+                info.store,
+                info.round,
+                info.world_size,
+                timeout,
+                self._handler.lost_nodes,
+                self._calls,
             )
         if barrier is BarrierEnd.FAILED:
             return self._final_failure("the job failed on another node")
@@ -343,16 +445,17 @@ class LocalElasticAgent(ElasticAgent):
             self._notify("elastic_restart", group=self._group, reason="failure")
             return None
         with contextlib.suppress(Exception):
-            self._handler.set_closed()
+            self._calls(self._handler.set_closed)
         if not callable(self._spec.entrypoint):
             values = {}
         return RunResult(WorkerState.SUCCEEDED, return_values=values)
 
     def _on_failure(self, info: RendezvousInfo, end: AttemptEnd) -> RunResult | None:
-        """Record the failed workers, then restart or give up; a departure costs nothing."""
+        """Record the failed workers, then restart or give up; a departure costs nothing,
+        a node that had not joined yet leaves alone (``joining``), and a store call left
+        unanswered fences this node (``BoundedCalls``) instead of ending it."""
         if self._host_name is None:
             self._host_name = socket.getfqdn()
-        first_attempt = self._attempts == 1
         records = failure_records(
             self._group,
             self._workers,
@@ -360,10 +463,10 @@ class LocalElasticAgent(ElasticAgent):
             self._logs,
             node_id=self._node_id,
             host=self._host_name,
-            first_attempt=first_attempt,
+            first_attempt=self._attempts == 1,
         )
         if info.world_size > 1 and departure_caused(
-            self._handler, self._store, info.round, records, self._sleep
+            self._handler, self._store, info.round, records, self._sleep, self._calls
         ):
             # A node left or died and took our workers' collectives with it: re-form
             # the group without spending the restart budget or blaming our workers.
@@ -373,15 +476,29 @@ class LocalElasticAgent(ElasticAgent):
         if self._host.implemented("elastic_annotate_failures"):
             self._host.call("elastic_annotate_failures", records=records)
         self._failures = {r.rank: r for r in records}
+        told = lambda record: self._notify("elastic_worker_failed", record=record)  # noqa: E731
+        if self._joining.fails_alone(info.store, info.round, self._calls):
+            stop = functools.partial(self._stop, signal.SIGTERM, self._spec.shutdown_timeout)
+            return leave_alone(
+                records,
+                info.store,
+                self._handler,
+                self._host,
+                call=self._calls,
+                told=told,
+                stop=stop,
+            )
         final = publish_and_decide(
             records,
             info.store,
             self._handler,
             round_=info.round,
             node_id=self._node_id,
-            first_attempt=first_attempt,
+            # "No restart can mend it" is for a new job's first attempt, not a late joiner.
+            first_attempt=self._attempts == 1 and bool(self._joining.in_first_round),
             max_restarts=self._spec.max_restarts,
-            told=lambda record: self._notify("elastic_worker_failed", record=record),
+            told=told,
+            call=self._calls,
         )
         self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
         if final is not None:
@@ -391,7 +508,8 @@ class LocalElasticAgent(ElasticAgent):
 
     def _final_failure(self, message: str) -> RunResult:
         """The run failed for good: one job-wide summary to the error reporting hook."""
-        code = report_failure(self._store, self._handler.get_run_id(), self._host, message)
+        run_id = self._handler.get_run_id()
+        code = report_failure(self._store, run_id, self._host, message, self._calls)
         return RunResult(
             WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
         )

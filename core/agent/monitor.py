@@ -31,9 +31,11 @@ def watch_attempt(
     handler: RendezvousHandler,
     check_plugins: Callable[[list[WorkerProcess]], WorkerVerdict | None],
     relay_checkpoint: Callable[[], None] | None,
+    regroup_wanted: Callable[[], bool] | None = None,
 ) -> AttemptEnd:
     """Until the attempt ends (``job`` is stopped then); ``sleep`` lets a signal
-    interrupt the wait."""
+    interrupt the wait. ``regroup_wanted``: a worker whose group broke asks the job to
+    re-form (``core/agent/regroup.py``)."""
     try:
         next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
         while True:
@@ -56,6 +58,10 @@ def watch_attempt(
                 return AttemptEnd(Outcome.JOB_FAILED)
             if job.peer_failed:
                 return AttemptEnd(Outcome.PEER_FAILED)
+            if job.finished:  # the job ended in the last round while ours started
+                return AttemptEnd(Outcome.SUCCEEDED)
+            if regroup_wanted is not None and regroup_wanted():
+                return AttemptEnd(Outcome.MEMBERSHIP)
             if job.checkpoint_requested and relay_checkpoint is not None:
                 store_call(relay_checkpoint)  # a node got a preemption notice
             mono = time.monotonic()

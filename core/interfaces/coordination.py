@@ -75,16 +75,18 @@ class CoordinationStore(Protocol):
     def delete_key(self, key: str) -> bool: ...
 
     def heartbeat(self, key: str, value: bytes | str) -> None:
-        """Write a liveness value. A store with leases ties the key to this client's
-        lease (gone when the client dies); otherwise it is ``set``."""
+        """Write a liveness value and return only once the store applied it (the round's
+        lease counts the answer as an acknowledged keep-alive). A store with leases ties
+        the key to this client's lease (gone when the client dies)."""
         ...
 
     def peer_silence(self) -> float | None:
         """Seconds since the server's *host* last acknowledged this connection's packets
-        (TCP keepalive answers included), or None when the transport cannot tell. The
-        round monitor fences a node whose request went unanswered only when this is not
-        over ``HOST_HEARD_WITHIN`` too: a store that is slow (its host overloaded) is not a
-        partition."""
+        (TCP keepalive answers included), or None when the transport cannot tell. A
+        node whose lease ran out while a keep-alive waits in a store whose host was heard
+        within ``HOST_HEARD_WITHIN`` waits for it instead of fencing: a store that is slow
+        (its host overloaded, its process paused) is not a partition
+        (``core/rendezvous/round/lease.py``)."""
         ...
 
     def close(self) -> None:

@@ -78,6 +78,10 @@ RECORD_KEY = "agent/failures/{}"
 # How long ``collect`` waits for a record whose slot was counted but not yet written (a
 # publisher is between ``add`` and ``set``).
 COLLECT_GRACE = timedelta(seconds=2)
+# Records read at most: a job's real ones are far fewer (one per failed worker, per round).
+MAX_RECORDS = 65536
+READ_CHUNK = 1024  # records per read: well under a store request's size limits
+MAX_PENDING = 256  # missing slots waited for (publishers between add and set)
 
 
 def publish(store: Store, record: FailureRecord) -> None:
@@ -88,22 +92,35 @@ def publish(store: Store, record: FailureRecord) -> None:
 
 def collect(store: Store, grace: timedelta = COLLECT_GRACE) -> list[FailureRecord]:
     """Every record published so far, in publication order; unreadable ones skipped."""
-    count = store.add(COUNT_KEY, 0)
+    # Bounded: the counter is not signed, and a forged one must not cost us memory.
+    count = min(store.add(COUNT_KEY, 0), MAX_RECORDS)
     keys = [RECORD_KEY.format(i) for i in range(1, count + 1)]
-    if keys and not store.check(keys):
+    values = _read(store, keys)
+    missing = [key for key, raw in zip(keys, values, strict=True) if not raw]
+    # Publishers between add and set are a few; many missing slots were never written.
+    if missing and len(missing) <= MAX_PENDING:
         try:
-            store.wait(keys, grace)
+            store.wait(missing, grace)
         except Exception:  # a publisher died between add and set: take what is there
             pass
+        late = dict(zip(missing, _read(store, missing), strict=True))
+        values = [raw or late.get(key, b"") for key, raw in zip(keys, values, strict=True)]
     records = []
-    for key in keys:
+    for raw in values:
         try:
-            if not store.check([key]):
-                continue
-            records.append(FailureRecord.from_json(store.get(key)))
+            if raw:
+                records.append(FailureRecord.from_json(raw))
         except Exception:  # one bad record must not hide the others
             continue
     return records
+
+
+def _read(store: Store, keys: list[str]) -> list[bytes]:
+    """``multi_get`` in chunks of ``READ_CHUNK``: one request each, not two per key."""
+    values: list[bytes] = []
+    for start in range(0, len(keys), READ_CHUNK):
+        values += store.multi_get(keys[start : start + READ_CHUNK])
+    return values
 
 
 # --- the summary ------------------------------------------------------------------------
@@ -146,13 +163,32 @@ def waiting_for_peer(record: FailureRecord) -> bool:
     return isinstance(stall, dict) and bool(stall.get("waiting"))
 
 
-def _order(record: FailureRecord) -> tuple[bool, float, int, int, str]:
-    return (waiting_for_peer(record), record.timestamp, record.rank, record.local_rank, record.host)
+# ``extra`` key set on the records of a node whose workers failed at start-up before it had
+# joined a running job (``core/agent/joining.py``): that node left alone, the job went on.
+BEFORE_JOINING = "before_joining"
+
+
+def failed_before_joining(record: FailureRecord) -> bool:
+    """Whether only this record's node left the job for it: it is the root cause only
+    when nothing else failed in its round."""
+    return isinstance(record.extra, dict) and bool(record.extra.get(BEFORE_JOINING))
+
+
+def _order(record: FailureRecord) -> tuple[bool, bool, float, int, int, str]:
+    return (
+        failed_before_joining(record),
+        waiting_for_peer(record),
+        record.timestamp,
+        record.rank,
+        record.local_rank,
+        record.host,
+    )
 
 
 def summarize(run_id: str, records: list[FailureRecord]) -> FailureSummary:
     """The job-wide view of a failed run: the earliest failure is the root cause, the
-    others follow in time order (hung workers that were waiting in a collective last).
+    others follow in time order (hung workers that were waiting in a collective last, and
+    after them a node's failure that only took that node out of the job).
 
     When records carry ``extra["round"]`` (the rendezvous round, the same on every node),
     only the latest round's failures are kept: earlier rounds were restarted past and

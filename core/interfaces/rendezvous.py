@@ -46,6 +46,11 @@ class RendezvousClosedError(RendezvousError):
     """The rendezvous is closed: the job finished, late joiners should exit cleanly."""
 
 
+class RendezvousReusedIdError(RendezvousError):
+    """The run id names a job that finished before this node started: not a late node of
+    that job (which gets ``RendezvousClosedError``) but a new job given an old id."""
+
+
 class RendezvousTimeoutError(RendezvousError):
     """The rendezvous did not complete in time."""
 
@@ -80,6 +85,10 @@ class RendezvousMismatchError(RendezvousError):
     def __init__(self, message: str, fields: Mapping[str, tuple[Any, Any]] | None = None):
         super().__init__(message)
         self.fields = dict(fields or {})
+
+
+class RendezvousAuthError(RendezvousError):
+    """The store refused this node's job token, or asks for one this node lacks."""
 
 
 class RendezvousConfigError(RendezvousError, ValueError):
@@ -321,6 +330,13 @@ class RendezvousHandler(abc.ABC):
         of waiting for a liveness timeout, and without spending the restart budget. A node
         that left is never counted as done. Backends without membership do nothing.
         """
+        return None
+
+    def watch_keys(self, keys: Sequence[str]) -> Callable[[], list[bytes] | None] | None:
+        """Have the handler's background reads include these keys of the job's store
+        (``RendezvousInfo.store``): returns a function giving their latest values in
+        ``keys`` order (None before the first read), or None when this backend reads
+        nothing in the background (the caller reads the keys itself). ``[]`` stops it."""
         return None
 
     def membership_changed(self) -> bool:

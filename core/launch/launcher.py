@@ -3,7 +3,9 @@ worker spec, run the agent. The programmatic twin of ``elastic run``."""
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import runpy
 import sys
 import uuid
@@ -19,6 +21,27 @@ if TYPE_CHECKING:
     from elastic.core.agent.loop import LocalElasticAgent
     from elastic.core.plugin.host import PluginHost
     from elastic.core.rendezvous.registry import HandlerFactory
+
+log = logging.getLogger(__name__)
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; the soft limit now.
+
+    The agent that hosts a store holds a socket per connection: a 1,000-node c10d job's
+    host holds more than 1,000, and the static backend's host also every worker's, while
+    a common default soft limit is 1,024. The hard limit is what the administrator
+    allows, so raising to it needs no privilege. Workers inherit the raised limit (data
+    loaders that open many files are glad of it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit Linux will not grant
+        log.debug("could not raise the open files limit from %s to %s: %s", soft, hard, exc)
+        return soft
+    return hard
 
 
 def run_script_path(script: str, *args: str) -> None:
@@ -115,6 +138,7 @@ def create_agent(
     from elastic.core.plugin.host import PluginHost
 
     config.validate()  # a config may have changed since it was made
+    raise_open_files_limit()  # before a store is hosted: its connections need descriptors
     host = plugin_host if plugin_host is not None else PluginHost()
     options = plugin_option_values(host, config.plugin_options)
     if config.standalone and config.run_id == "none":

@@ -7,6 +7,7 @@ round's workers (``MASTER_PORT``), ``route_address`` the address other nodes rea
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -77,3 +78,14 @@ def free_port(addr: str = "") -> int:
         except OSError:
             sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` (an IP address, v4 or v6, a v4-mapped one too) is a loopback one."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback

@@ -4,6 +4,11 @@ It speaks to torch's own server (libuv or legacy) and to ``TCPStoreServer`` alik
 ``torch.distributed.Store`` semantics. One socket, requests serialised by a lock (the
 protocol has no request ids, so a response is matched to its request by order only).
 
+With a ``token`` the client proves it to the server before anything else (``wire``: the
+AUTH handshake); a torch-served store, which closes a connection that asks, is connected
+to again without it, once per endpoint and process. A client without a token still asks,
+so a store that wants one is one clear error rather than a dropped connection.
+
 Every socket operation has a deadline: a server whose link went silently down (no RST)
 is reported after ``timeout`` seconds instead of hanging. After any connection error the
 response stream can no longer be trusted, so the client is dead from then on: every
@@ -13,6 +18,7 @@ later call raises the same kind of error.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import sys
@@ -22,12 +28,26 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.interfaces.rendezvous import (
+    RendezvousAuthError,
+    RendezvousConnectionError,
+    RendezvousStoreGoneError,
+)
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import wire
 from elastic.core.tcpstore.wire import Query
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# Endpoints served by torch's own TCPStore (it closed a connection that asked for the
+# token handshake): later connections skip the handshake. Process-wide, as the servers are.
+_TORCH_SERVED: set[str] = set()
+TOKEN_HINT = (
+    "--rdzv-conf token_file=PATH, or ELASTIC_RDZV_TOKEN_FILE=PATH or ELASTIC_RDZV_TOKEN "
+    "in the environment"
+)
 
 # The host answered: nothing listens there (any more), or it dropped this connection.
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
@@ -73,6 +93,7 @@ class TCPStoreClient:
         port: int,
         timeout: float = 10.0,
         connect_timeout: float | None = None,
+        token: bytes | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -83,22 +104,78 @@ class TCPStoreClient:
         self._dead: RendezvousConnectionError | None = None
         self._closed = False
         limit = timeout if connect_timeout is None else connect_timeout
+        self._connect(limit)
+        if self.where in _TORCH_SERVED:
+            return
+        try:
+            self._authenticate(token)
+        except RendezvousStoreGoneError:
+            if self._closed:  # refused by our server (see _authenticate): not torch's
+                raise
+            # torch's server closes a connection that asks: connect again, without asking.
+            _TORCH_SERVED.add(self.where)
+            if token is not None:
+                log.warning(
+                    "the store at %s is torch's TCPStore, which cannot check the job "
+                    "token: anyone who reaches it can write to it (the job's signed "
+                    "records still ignore what they write)",
+                    self.where,
+                )
+            self._dead = None
+            self._rbuf.clear()
+            self._connect(limit)
+
+    def _connect(self, limit: float) -> None:
         handshake_deadline = time.monotonic() + limit
         try:
-            self._sock = socket.create_connection((host, port), timeout=limit)
+            self._sock = socket.create_connection((self.host, self.port), timeout=limit)
         except OSError as exc:
             raise self._connection_error(exc, "cannot connect", limit) from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _keep_alive(self._sock)
-        # torch uses its pid as the nonce; any value does, as long as it comes back.
-        nonce = os.getpid() & 0xFFFFFFFF
-        with self._lock:
-            answer = self._roundtrip(wire.handshake(nonce), lambda _: self._u32(handshake_deadline))
+        nonce = os.getpid() & 0xFFFFFFFF  # as torch's; any value does, if it comes back
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(self._sock)
+            with self._lock:
+                answer = self._roundtrip(
+                    wire.handshake(nonce), lambda _: self._u32(handshake_deadline)
+                )
+        except BaseException:  # a failed handshake, or Ctrl-C during it: no socket left
+            self.close()
+            raise
         if answer != nonce:
             self.close()
             raise RendezvousConnectionError(
                 f"{self.where} is not a TCPStore server (ping answered {answer:#x})"
             )
+
+    def _authenticate(self, token: bytes | None) -> None:
+        """The token handshake (``wire``); a torch server's closing the connection is
+        ``RendezvousStoreGoneError`` with the client still open."""
+        with self._lock:
+            challenge = self._roundtrip(wire.request(Query.AUTH_HELLO), self._blob)
+        if not challenge:
+            if token is not None:  # its host has no token: its records will be ignored
+                log.warning(
+                    "the store at %s takes no job token, but this node has one: give the "
+                    "agent hosting it the same token",
+                    self.where,
+                )
+            return  # our server, taking no token: a job without one
+        if token is None:
+            self.close()
+            raise RendezvousAuthError(
+                f"the store at {self.where} requires the job's token; give it with {TOKEN_HINT}"
+            )
+        proof = wire.request(Query.AUTH_PROOF, wire.blob(wire.auth_proof(token, challenge)))
+        try:
+            with self._lock:
+                self._roundtrip(proof, self._u8)
+        except RendezvousStoreGoneError:
+            self.close()
+            raise RendezvousAuthError(
+                f"the store at {self.where} refused this node's token: it is not the job's "
+                f"(give the job's token with {TOKEN_HINT})"
+            ) from None
 
     # --- the Store API -------------------------------------------------------------------
 

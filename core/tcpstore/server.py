@@ -6,25 +6,37 @@ appears), never polled. It behaves as torch's libuv server (torch's default) doe
 except where that one is lax: a connection whose first request is not a valid VALIDATE
 is dropped (libuv ignores it), and so is any malformed request.
 
-A misbehaving client costs only its own connection: garbage drops it; silence costs one
-idle socket; a client that sends faster than it reads stops being read (TCP pushes back
-on it) once its unread responses pass ``_OUT_HIGH_WATER``; one request is capped at
-``wire.MAX_REQUEST_LEN`` bytes. The store itself is not capped, as torch's is not.
+A misbehaving client costs only its own connection: garbage drops it; a client that
+sends faster than it reads stops being read (TCP pushes back on it) once its unread
+responses pass ``_OUT_HIGH_WATER``. The limits of ``limits`` bound the rest, each logged
+once: one request is capped at ``wire.MAX_REQUEST_LEN`` bytes (``wire.VALIDATE_LEN``
+before the handshake), one answer at ``MAX_REPLY_LEN``, the connections at
+``MAX_CONNECTIONS``; a handshake must come within ``HANDSHAKE_WAIT``, and a connection
+with work under way (a request partly received, answers not taken) must make progress
+within ``REQUEST_WAIT`` (one idle between requests, or parked in a WAIT, is never cut);
+``EMFILE`` pauses accepting for ``ACCEPT_BACKOFF``.
+With a ``token``, a connection must prove it (``wire.auth_proof`` over a random challenge
+of this connection) before any request but the protocol's own VALIDATE and PING; any
+other request first, or a wrong proof, drops it: a client without the token reads and
+writes nothing. The store itself is not capped, as torch's is not.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import logging
+import secrets
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
-from elastic.core.tcpstore import wire
+from elastic.core.tcpstore import limits, wire
 from elastic.core.tcpstore.wire import Query
 
 log = logging.getLogger(__name__)
@@ -34,28 +46,54 @@ log = logging.getLogger(__name__)
 _RECV_SIZE = 64 * 1024
 _OUT_HIGH_WATER = 4 * 1024 * 1024
 _INT64 = range(-(2**63), 2**63)
+_INTRUDERS_NAMED = 100  # client hosts warned about by name, at most
 
 R = TypeVar("R")
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "parser", "outbuf", "validated", "missing", "paused", "events")
+    __slots__ = (
+        "sock",
+        "peer",
+        "parser",
+        "outbuf",
+        "validated",
+        "missing",
+        "paused",
+        "events",
+        "deadline",
+        "authenticated",
+        "challenge",
+    )
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, authenticated: bool) -> None:
         self.sock = sock
         self.peer = peer
-        self.parser = wire.RequestParser()
+        self.parser = wire.RequestParser(max_len=wire.VALIDATE_LEN)
         self.outbuf = bytearray()
         self.validated = False
+        # When it is dropped unless its handshake, or its work under way, progresses
+        # (monotonic; None: it owes nothing, as between requests or parked in a WAIT).
+        self.deadline: float | None = time.monotonic() + limits.HANDSHAKE_WAIT
         # The keys a parked WAIT still misses; None when no WAIT is parked.
         self.missing: set[bytes] | None = None
         # Requests received are left unanswered until its unread answers drain.
         self.paused = False
         self.events = selectors.EVENT_READ  # as registered with the selector
+        self.authenticated = authenticated  # proved the token (or the server takes none)
+        self.challenge = b""  # sent in answer to AUTH_HELLO
 
 
 class _Drop(Exception):
     """Close this connection (a protocol violation, or the peer went away)."""
+
+
+class _Limit(_Drop):
+    """Close this connection: it went beyond one of ``limits`` (named by ``limit``)."""
+
+    def __init__(self, limit: str, what: str) -> None:
+        super().__init__(what)
+        self.limit = limit
 
 
 class TCPStoreServer:
@@ -73,6 +111,7 @@ class TCPStoreServer:
         *,
         sock: socket.socket | None = None,
         data: Mapping[bytes, bytes] | None = None,
+        token: bytes | None = None,
     ):
         if sock is None:
             if host == "" and socket.has_dualstack_ipv6():
@@ -84,16 +123,22 @@ class TCPStoreServer:
                 sock = socket.create_server((host, port), family=family, backlog=4096)
         else:
             sock.listen(4096)  # also fine when it already listens: updates the backlog
-        sock.setblocking(False)
-        self._listener = sock
+        self._token = token  # a connection must prove it first (see the module)
+        self._intruders: set[str] = set()  # client hosts that failed to, warned once each
         self.port: int = sock.getsockname()[1]
         self._data: dict[bytes, bytes] = dict(data or {})  # ``data``: served from the start
         self._waiters: dict[bytes, set[_Conn]] = {}
         self._conns: dict[socket.socket, _Conn] = {}
+        # The connections with a deadline (usually a handful: a handshake or a request
+        # under way), so the loop never scans every connection for one.
+        self._timed: set[_Conn] = set()
         self._sel = selectors.DefaultSelector()
+        self._limits = limits.LimitLog(f"TCPStore server on port {self.port}")
+        self._listener = limits.Listener(
+            sock, self._sel, "accept", limits.MAX_CONNECTIONS, self._limits
+        )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._sel.register(sock, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopping = False
         self._serving = True  # False once the loop ended, however it ended
@@ -181,13 +226,23 @@ class TCPStoreServer:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, mask in self._sel.select():
+                next_deadline = min(
+                    (c.deadline for c in self._timed if c.deadline is not None), default=None
+                )
+                timeout = limits.select_timeout(
+                    time.monotonic(), next_deadline, self._listener.paused_until
+                )
+                for key, mask in self._sel.select(timeout):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":  # a call, or close() set _stopping
                         self._run_calls()
                     else:
                         self._service(key.data, mask)
+                now = time.monotonic()
+                self._listener.resume_if_due(now)
+                if next_deadline is not None and now >= next_deadline:
+                    self._expire(now)
         except Exception:
             # A bug, not a client: say so, and let the clients see the store gone.
             log.exception("TCPStore server on port %d failed", self.port)
@@ -200,33 +255,64 @@ class TCPStoreServer:
             for conn in list(self._conns.values()):
                 self._drop(conn)
             self._sel.close()
-            self._listener.close()
+            self._listener.sock.close()
 
     def _accept(self) -> None:
         # Level-triggered: whatever is left in the backlog is accepted next round.
         for _ in range(64):
+            sock = self._listener.accept(len(self._conns))
+            if sock is None:
+                return
             try:
-                sock, addr = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:  # EMFILE and the like: that client is refused, not us
-                log.warning("TCPStore server on port %d cannot accept: %s", self.port, exc)
-                return
+                addr = sock.getpeername()
+            except OSError:  # reset before we looked
+                sock.close()
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", self._token is None)
             self._conns[sock] = conn
+            self._timed.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self._timed if c.deadline is not None and c.deadline <= now]:
+            if conn.validated and conn.authenticated:
+                what = (
+                    f"no progress for {limits.REQUEST_WAIT:g}s from {conn.peer} (a request "
+                    "partly sent, or answers not read)"
+                )
+                self._limits.hit("REQUEST_WAIT", f"{what}; dropped")
+            else:
+                what = f"no handshake from {conn.peer} within {limits.HANDSHAKE_WAIT:g}s"
+                self._limits.hit("HANDSHAKE_WAIT", f"{what}; dropped")
+            self._drop(conn)
+
+    def _retime(self, conn: _Conn, progressed: bool) -> None:
+        """A validated connection with work under way (the rest of a request it began,
+        answers it has not taken) owes progress (a request answered, bytes sent) within
+        ``REQUEST_WAIT``; one between requests owes nothing, however long."""
+        if not (conn.validated and conn.authenticated):
+            return  # the handshake deadline stands
+        if not (conn.parser.partial or conn.outbuf):
+            conn.deadline = None
+            self._timed.discard(conn)
+        elif progressed or conn.deadline is None:
+            conn.deadline = time.monotonic() + limits.REQUEST_WAIT
+            self._timed.add(conn)
 
     def _service(self, conn: _Conn, mask: int) -> None:
         try:
-            if mask & selectors.EVENT_WRITE:
-                self._send(conn)
+            sent = self._send(conn) if mask & selectors.EVENT_WRITE else 0
             if mask & selectors.EVENT_READ:
                 self._recv(conn)
-            self._process(conn)
-            self._send(conn)
+            answered = self._process(conn)
+            sent += self._send(conn)
             self._update_events(conn)
+            self._retime(conn, answered > 0 or sent > 0)
+        except _Limit as why:
+            self._limits.hit(why.limit, f"{why} from {conn.peer}; dropped")
+            self._drop(conn)
         except _Drop as why:
             log.debug("TCPStore server: dropping %s: %s", conn.peer, why)
             self._drop(conn)
@@ -246,30 +332,38 @@ class TCPStoreServer:
             raise _Drop("closed by the client")
         conn.parser.feed(chunk)
 
-    def _process(self, conn: _Conn) -> None:
+    def _process(self, conn: _Conn) -> int:
         """Answer the whole requests received, but pause at the high-water mark of unread
-        answers: the rest is answered as those drain, one batch per loop round."""
+        answers: the rest is answered as those drain, one batch per loop round. How many
+        were answered."""
+        answered = 0
         try:
             while len(conn.outbuf) < _OUT_HIGH_WATER:
                 req = conn.parser.next()
                 if req is None:
                     conn.paused = False
-                    return
+                    return answered
                 self._handle(conn, req)
+                answered += 1
+        except wire.RequestTooLarge as exc:
+            raise _Limit("MAX_REQUEST_LEN", str(exc)) from None
         except wire.ProtocolError as exc:
             raise _Drop(str(exc)) from None
         conn.paused = conn.parser.buffered > 0
+        return answered
 
-    def _send(self, conn: _Conn) -> None:
+    def _send(self, conn: _Conn) -> int:
+        """Bytes sent."""
         if not conn.outbuf:
-            return
+            return 0
         try:
             sent = conn.sock.send(conn.outbuf)
         except BlockingIOError:
-            return
+            return 0
         except OSError as exc:
             raise _Drop(str(exc)) from None
         del conn.outbuf[:sent]
+        return sent
 
     def _update_events(self, conn: _Conn) -> None:
         # Not reading a peer that does not read its answers makes TCP push back on it.
@@ -286,6 +380,7 @@ class TCPStoreServer:
 
     def _drop(self, conn: _Conn) -> None:
         self._unpark(conn)
+        self._timed.discard(conn)
         del self._conns[conn.sock]
         self._sel.unregister(conn.sock)
         conn.sock.close()
@@ -298,8 +393,14 @@ class TCPStoreServer:
             if query is not Query.VALIDATE or req.number != wire.VALIDATION_MAGIC:
                 raise _Drop("the first request is not a valid VALIDATE")
             conn.validated = True
+            if conn.authenticated:
+                self._admit(conn)
+            else:  # the handshake deadline stands until the token is proved
+                conn.parser.max_len = wire.AUTH_REQUEST_LEN
         elif query is Query.PING:
             out += wire.U32.pack(req.number)
+        elif not conn.authenticated or query in (Query.AUTH_HELLO, Query.AUTH_PROOF):
+            self._authenticate(conn, req)
         elif query is Query.SET:
             self._set(req.key, req.value)
         elif query is Query.MULTI_SET:
@@ -308,10 +409,10 @@ class TCPStoreServer:
         elif query is Query.GET:
             # A missing key reads as empty, as on torch's libuv server (its clients WAIT
             # first, so only a raw client can see this).
-            out += wire.blob(self._data.get(req.key, b""))
+            out += wire.blob(self._reply_within_limit([req.key])[0])
         elif query is Query.MULTI_GET:
-            for key in req.keys:
-                out += wire.blob(self._data.get(key, b""))
+            for value in self._reply_within_limit(req.keys):
+                out += wire.blob(value)
         elif query is Query.ADD:
             out += wire.I64.pack(self._add(req.key, req.number))
         elif query is Query.COMPARE_SET:
@@ -330,6 +431,51 @@ class TCPStoreServer:
             out += wire.I64.pack(len(self._data))
         else:
             raise _Drop(f"unexpected {query.name}")  # VALIDATE a second time
+
+    def _reply_within_limit(self, keys: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
+        """The values of ``keys`` (``b""`` when missing), unless their answer would pass
+        ``MAX_REPLY_LEN``: measured before a byte of it is built."""
+        values = [self._data.get(key, b"") for key in keys]
+        size = sum(wire.U64.size + len(value) for value in values)
+        if size > limits.MAX_REPLY_LEN:
+            raise _Limit("MAX_REPLY_LEN", f"a request for a {size}-byte answer")
+        return values
+
+    @staticmethod
+    def _admit(conn: _Conn) -> None:
+        """The handshake is done: full-size requests, and no deadline until one begins."""
+        conn.parser.max_len = wire.MAX_REQUEST_LEN
+        conn.deadline = None  # the next request's own starts with its first byte
+
+    def _authenticate(self, conn: _Conn, req: wire.Request) -> None:
+        """The token handshake (``wire``): a challenge, then its proof; anything else
+        before the proof drops the connection."""
+        if req.query is Query.AUTH_HELLO and not conn.challenge:
+            if self._token is not None:
+                conn.challenge = secrets.token_bytes(wire.AUTH_CHALLENGE_LEN)
+            conn.outbuf += wire.blob(conn.challenge)  # empty: this server takes no token
+        elif req.query is Query.AUTH_PROOF and self._token is not None and conn.challenge:
+            if not hmac.compare_digest(req.value, wire.auth_proof(self._token, conn.challenge)):
+                self._warn_intruder(conn.peer)
+                raise _Drop("a wrong token")
+            conn.authenticated = True
+            self._admit(conn)
+            conn.outbuf += wire.U8.pack(wire.AUTHENTICATED)
+        else:
+            raise _Drop(f"{req.query.name} before proving the token")
+
+    def _warn_intruder(self, peer: str) -> None:
+        """One line per client host (bounded), so a client retrying cannot flood the log."""
+        host = peer.rpartition(":")[0]
+        if host in self._intruders or len(self._intruders) >= _INTRUDERS_NAMED:
+            return
+        self._intruders.add(host)
+        log.warning(
+            "TCPStore server on port %d: a client at %s does not hold the job token; "
+            "refused (said once per host)",
+            self.port,
+            host,
+        )
 
     def _set(self, key: bytes, value: bytes) -> None:
         self._data[key] = value

@@ -26,11 +26,13 @@ REPEATABLE = frozenset({"set", "get", "check", "multi_get", "multi_set", "compar
 HANDOVER_WAIT = 10.0
 
 
-def standby_mark(host: str, port: int, timeout: float) -> tuple[bytes, TCPStoreClient] | None:
+def standby_mark(
+    host: str, port: int, timeout: float, token: bytes | None = None
+) -> tuple[bytes, TCPStoreClient] | None:
     """(its ``STANDBY_KEY`` value, a client connected to it) for the store at host:port;
     ``b""``: a job's live store. None when nothing answers there."""
     try:
-        client = TCPStoreClient(host, port, timeout)
+        client = TCPStoreClient(host, port, timeout, token=token)
     except RendezvousConnectionError:
         return None
     try:
@@ -52,11 +54,20 @@ class Connection:
     and a wait its caller gave up on (its thread still parked) costs one connection, not
     the store."""
 
-    def __init__(self, host: str, port: int, timeout: float, gone_hint: str = "") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        gone_hint: str = "",
+        token: bytes | None = None,
+    ) -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        self.token = token  # proved to the server on every connection (client.py)
         # Where the store may have moved to (c10d's handover), tried in order when this
-        # one stops answering; empty: the store cannot move.
-        self.successors: list[tuple[str, int]] = []
+        # one stops answering; empty: the store cannot move. Read only then, so it may be
+        # a sequence that works its entries out on first use (c10d: the round's standbys).
+        self.successors: Sequence[tuple[str, int]] = []
         self.gone_hint = gone_hint
         self.where = f"{host}:{port}"
         self._client: TCPStoreClient | None = None
@@ -68,6 +79,7 @@ class Connection:
         self._checks_first = False  # the server is torch's legacy one (see ``read``)
         self._idle_waiters: list[TCPStoreClient] = []
         self._busy_waiters: set[TCPStoreClient] = set()
+        self.beats: dict[str, bytes] = {}  # heartbeat key -> the value written there last
 
     def _raise_if_closed(self) -> None:
         if self._closed:
@@ -77,7 +89,7 @@ class Connection:
         with self._lock:
             self._raise_if_closed()
             if self._client is None:
-                self._client = TCPStoreClient(self.host, self.port, self.timeout)
+                self._client = TCPStoreClient(self.host, self.port, self.timeout, token=self.token)
             return self._client
 
     def call(self, op: str, *args: Any) -> Any:
@@ -102,7 +114,7 @@ class Connection:
         while candidates and time.monotonic() < deadline and not self._closed:
             receiving = False
             for host, port in candidates:
-                found = standby_mark(host, port, min(self.timeout, 2.0))
+                found = standby_mark(host, port, min(self.timeout, 2.0), self.token)
                 if found is None:
                     continue
                 mark, client = found
@@ -162,7 +174,7 @@ class Connection:
             self._raise_if_closed()
             client = self._idle_waiters.pop() if self._idle_waiters else None
         if client is None:
-            client = TCPStoreClient(self.host, self.port, self.timeout)
+            client = TCPStoreClient(self.host, self.port, self.timeout, token=self.token)
         with self._lock:
             if self._closed:  # closed while this one connected
                 client.close()
@@ -266,7 +278,24 @@ class PrefixStore:
         self._conn.call("set", self._k(key), value)
 
     def heartbeat(self, key: str, value: bytes | str) -> None:
-        self.set(key, value)  # no leases in TCPStore: liveness is the value changing
+        """Write a liveness value and return once the store applied it. No leases in
+        TCPStore: liveness is the value changing. A SET has no answer in TCPStore's
+        protocol, so this is a COMPARE_SET against the value this connection wrote there
+        last, which does answer; a key that holds something else (a store that
+        restarted, a beat whose answer was lost) is read from the answer and replaced,
+        as a SET would."""
+        full, new = self._k(key), value if isinstance(value, bytes) else value.encode()
+        expected = self._conn.beats.get(full, b"")
+        for _ in range(3):
+            held = bytes(self._conn.call("compare_set", full, expected, new))
+            if held == new:
+                self._conn.beats[full] = new
+                return
+            # Absent with a non-empty ``expected``: torch's answer is ``expected``.
+            expected = b"" if held == expected else held
+        raise RendezvousConnectionError(
+            f"heartbeat {full!r} at {self.where}: the key keeps changing"
+        )
 
     def get(self, key: str) -> bytes:
         return bytes(self._conn.call("get", self._k(key)))

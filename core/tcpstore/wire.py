@@ -8,6 +8,13 @@ byte vectors are a ``u64`` length followed by the bytes. A connection's first re
 must be ``VALIDATE`` with the magic number; torch's client then sends ``PING`` with a
 nonce the server echoes, to know the peer really is a store.
 
+Ours alone: two queries torch's enum does not have (``AUTH_HELLO``, ``AUTH_PROOF``), by
+which a client proves it holds the job token before any other request, without sending
+it: the server answers ``AUTH_HELLO`` with a fresh random challenge (empty when it takes
+no token) and ``AUTH_PROOF`` must carry ``auth_proof(token, challenge)``. torch's servers
+close a connection that sends one (an unknown query), which is how a client tells a
+torch-served store from ours.
+
 Keys on the wire are whatever the client sends: torch's client prefixes every key with
 ``/`` (``TCPStore::keyPrefix_``), so a client meant to share keys with torch's must too.
 """
@@ -15,6 +22,8 @@ Keys on the wire are whatever the client sends: torch's client prefixes every ke
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,6 +40,8 @@ MAX_KEY_COUNT = 128 * 1024
 # Ours alone: a cap on one whole request, which the limits above leave at terabytes (a
 # MULTI_SET of 128Ki 8 MiB values). Room for a MULTI_SET of a few full-size values.
 MAX_REQUEST_LEN = 64 * 1024 * 1024
+# The only request a connection may send before it is validated: VALIDATE itself.
+VALIDATE_LEN = 1 + 4
 
 U8 = struct.Struct("<B")
 U32 = struct.Struct("<I")
@@ -57,15 +68,28 @@ class Query(enum.IntEnum):
     MULTI_SET = 11
     CANCEL_WAIT = 12
     PING = 13
+    # Ours, far from torch's numbers: the token handshake (see the module).
+    AUTH_HELLO = 96
+    AUTH_PROOF = 97
 
 
-# One-byte responses (CheckResponseType, WaitResponseType).
+# One-byte responses (CheckResponseType, WaitResponseType; AUTH_PROOF's).
 READY, NOT_READY = 0, 1
+AUTHENTICATED = 0
+AUTH_CHALLENGE_LEN = 32
+MAX_AUTH_LEN = 64  # an AUTH_PROOF's field: a SHA-256 HMAC is 32 bytes
+# The largest request before the token is proved (AUTH_PROOF: query, length, field), so a
+# stranger past VALIDATE still cannot make the server buffer more than this.
+AUTH_REQUEST_LEN = 1 + 8 + MAX_AUTH_LEN
 STOP_WAITING, WAIT_CANCELED = 0, 1
 
 
 class ProtocolError(ValueError):
     """The bytes are not a valid request (unknown query, a length beyond the limits)."""
+
+
+class RequestTooLarge(ProtocolError):
+    """A request beyond the parser's ``max_len``: the peer is refused, not just wrong."""
 
 
 # --- encoding (both sides) -------------------------------------------------------------
@@ -90,6 +114,11 @@ def handshake(nonce: int) -> bytes:
     return request(Query.VALIDATE, U32.pack(VALIDATION_MAGIC)) + request(
         Query.PING, U32.pack(nonce)
     )
+
+
+def auth_proof(token: bytes, challenge: bytes) -> bytes:
+    """What proves the token for a server's challenge; the token never crosses the wire."""
+    return hmac.new(token, b"elastic-tcpstore-auth/1\n" + challenge, hashlib.sha256).digest()
 
 
 def multi_set(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -126,9 +155,12 @@ class RequestParser:
     """Cuts a connection's byte stream into requests. Incremental: a request that
     arrives in pieces is parsed where it stopped, never again from its start, so the
     work is linear in the bytes however they are cut (re-parsing a large MULTI_SET on
-    every piece would be quadratic). A request over ``MAX_REQUEST_LEN`` is refused."""
+    every piece would be quadratic). A request over ``max_len`` bytes is refused as soon
+    as its declared lengths say so, before its bytes are buffered; the server lowers
+    ``max_len`` to ``VALIDATE_LEN`` until a connection is validated."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_len: int = MAX_REQUEST_LEN) -> None:
+        self.max_len = max_len
         self._buf = bytearray()
         self._pos = 0  # what _buf holds before this is consumed
         self._taken = 0  # bytes of the request being parsed consumed so far
@@ -146,6 +178,11 @@ class RequestParser:
         """Bytes fed and not yet consumed."""
         return len(self._buf) - self._pos
 
+    @property
+    def partial(self) -> bool:
+        """Whether part of a request was received and the rest is still to come."""
+        return self._pending is not None or self.buffered > 0
+
     def next(self) -> Request | None:
         """The next whole request, or ``None`` until more bytes are fed."""
         if self._pending is None:
@@ -161,8 +198,8 @@ class RequestParser:
         return None
 
     def _take(self, n: int) -> Parsing[bytes]:
-        if self._taken + n > MAX_REQUEST_LEN:
-            raise ProtocolError(f"a request over {MAX_REQUEST_LEN} bytes")
+        if self._taken + n > self.max_len:
+            raise RequestTooLarge(f"a request over {self.max_len} bytes")
         while self.buffered < n:
             yield
         data = bytes(self._buf[self._pos : self._pos + n])
@@ -195,6 +232,8 @@ class RequestParser:
             raise ProtocolError(f"unknown or unsupported query type {code}") from None
         if query in (Query.VALIDATE, Query.PING):
             return Request(query, number=(yield from self._int(U32)))
+        if query is Query.AUTH_PROOF:
+            return Request(query, value=(yield from self._blob(MAX_AUTH_LEN)))
         if query in (Query.GET, Query.DELETE_KEY):
             return Request(query, key=(yield from self._blob(MAX_KEY_LEN)))
         if query is Query.SET:
@@ -219,4 +258,4 @@ class RequestParser:
                 key = yield from self._blob(MAX_KEY_LEN)
                 pairs.append((key, (yield from self._blob(MAX_VALUE_LEN))))
             return Request(query, pairs=tuple(pairs))
-        return Request(query)  # GETNUMKEYS, CANCEL_WAIT: no fields
+        return Request(query)  # GETNUMKEYS, CANCEL_WAIT, AUTH_HELLO: no fields

@@ -14,7 +14,8 @@ rendezvous store while a round runs (multi-node jobs only; keys are namespaced b
   so whichever agent spends the last restart and prints the summary has every record.
 
 One daemon thread per agent polls the progress counter every ``timeout / 8`` seconds
-(0.25 s to 1 s): one store operation per poll and agent, and the monitor loop never
+(0.25 s to 1 s): one store operation per poll and agent (two with a job token when it
+adds: the signed store reads a counter before adding to it), and the monitor loop never
 blocks on the store.
 """
 
@@ -75,7 +76,9 @@ class JobStallChannel:
                 local = self._local_progress()
                 mine = 1 if local > published else 0
                 value = int(self._store.add(counter, mine))
-                if value >= STALL_MARK:
+                # The counter is only a hint (anyone may add to it): the finder's
+                # marker, a signed record with a job token, is what says "dump now".
+                if value >= STALL_MARK and self._store.check([MARKER_KEY.format(self._round)]):
                     self.peer_stall.set()
                     return
                 published = max(published, local)

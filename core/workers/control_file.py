@@ -1,35 +1,72 @@
-"""The control file: how an agent asks its workers to checkpoint, and learns they did.
+"""The control file: how an agent asks its workers to checkpoint or regroup, and learns
+what they did.
 
-One file per node and attempt, mapped shared by the agent and its workers: an 8-byte
-request number, then one slot per local rank with (listening, saved) request numbers.
-"Listening" says the script uses the API at all (``elastic.checkpoint_requested()``): an
-agent whose workers never asked does not wait for a save that will not come. The agent's
-end is ``ControlFile``; the workers' end is ``elastic.training.preemption``; the layout
-constants below are the one definition both read.
+One file per node (kept across rounds its workers survive), mapped shared by the agent
+and its workers. The header: the checkpoint request number, the regroup request number
+and the generation of the last round handed over (the round file beside it). Then one
+slot per local rank: (listening, saved, capable, joined, broken, step_us, ready).
+
+- "Listening" says the script uses the checkpoint API at all
+  (``elastic.checkpoint_requested()``): an agent whose workers never asked does not wait
+  for a save that will not come. "Saved" is the request number it saved for.
+- "Capable" says the worker can regroup in place (``elastic.train``, or a script using
+  ``elastic.membership_changed()`` / ``elastic.regroup()``): on a membership change the
+  agent keeps it running and hands it the new round instead of restarting it.
+- "Joined" is the generation of the round the worker runs in (0: the one it started in);
+  "broken" is the generation it waits for after its process group broke under it (a peer
+  died mid-collective), 0 otherwise; "step_us" its last step's duration, which bounds how
+  long the agent waits for it to reach a step boundary. "Ready" says a freshly started
+  worker is about to join its round's group (``elastic.init_process_group``): the workers
+  kept from the last round wait for that before they stop training to join it.
+
+The agent's end is ``ControlFile``; the workers' ends are ``elastic.training.preemption``
+and ``elastic.training.regroup``; the layout constants below are the one definition both
+read. The round file is the agent's own data (torchrun's variables for each local rank),
+written whole and renamed, so a worker never reads half of one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Mapping
 
 ENV_CONTROL = "ELASTIC_CONTROL_FILE"
-HEADER = struct.Struct("<Q")  # the request number; 0: none
-SLOT = struct.Struct("<QQ")  # per local rank: (listening, saved request number)
+# The worker's slot: its local rank (LOCAL_RANK is 0 for every worker with
+# --virtual-local-rank, so it cannot say which slot is whose).
+ENV_CONTROL_SLOT = "ELASTIC_CONTROL_SLOT"
+# (checkpoint request number, regroup request number, generation handed over); 0: none
+HEADER = struct.Struct("<QQQ")
+CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD = 0, 1, 2
+# per local rank: (listening, saved request number, capable, joined, broken, step_us, ready)
+SLOT = struct.Struct("<QQQQQQQ")
+LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY = range(7)
 # A worker may learn of a request from its peers (the all_reduce of the flag) before its
 # own agent has raised it locally: it then saves "for whatever request is pending".
 SAVED_PENDING = 2**64 - 1
+ROUND_SUFFIX = ".round"  # the round file: <control file>.round
+MAX_ROUND_FILE = 1 << 20  # bytes a worker reads at most
 
 
 def slot_offset(local_rank: int) -> int:
     return HEADER.size + SLOT.size * local_rank
 
 
+def field_offset(field: int) -> int:
+    """Byte offset of one 8-byte header field (or, added to a slot's, of a slot field)."""
+    return 8 * field
+
+
+def round_path(control_path: str) -> str:
+    return control_path + ROUND_SUFFIX
+
+
 class ControlFile:
-    """The agent's end of one attempt's control file (created zeroed, mapped shared)."""
+    """The agent's end of a node's control file (created zeroed, mapped shared)."""
 
     def __init__(self, local_world_size: int, directory: str | None = None) -> None:
         self.size = slot_offset(local_world_size)
@@ -41,32 +78,77 @@ class ControlFile:
         finally:
             os.close(fd)
         self.requested = 0
+        self.generation = 0
 
-    def worker_env(self) -> dict[str, str]:
-        return {ENV_CONTROL: self.path}
+    def worker_env(self, local_rank: int) -> dict[str, str]:
+        return {ENV_CONTROL: self.path, ENV_CONTROL_SLOT: str(local_rank)}
+
+    def _set(self, field: int, value: int) -> None:
+        if self._map is not None:
+            struct.pack_into("<Q", self._map, field_offset(field), value)
 
     def request(self, number: int) -> None:
-        """Ask every local worker to checkpoint (idempotent)."""
+        """Ask every local worker to checkpoint (idempotent); 0 withdraws the request."""
         if self._map is not None and number != self.requested:
-            HEADER.pack_into(self._map, 0, number)
+            self._set(CHECKPOINT_FIELD, number)
             self.requested = number
 
-    def _slots(self) -> list[tuple[int, int]]:
+    def request_regroup(self) -> None:
+        """Ask every local worker to stop at its next step boundary for a new round."""
+        self._set(REGROUP_FIELD, self.generation + 1)
+
+    def hand_over(self, envs: Mapping[int, Mapping[str, str]]) -> int:
+        """Publish the next round (each local rank's variables); returns its generation."""
+        generation = self.generation + 1
+        path = round_path(self.path)
+        payload = {"generation": generation, "ranks": {str(r): dict(e) for r, e in envs.items()}}
+        tmp = f"{path}.{generation}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, path)
+        self.generation = generation
+        self._set(GENERATION_FIELD, generation)
+        return generation
+
+    def _slots(self) -> list[tuple[int, ...]]:
         if self._map is None:
             return []
         return [SLOT.unpack_from(self._map, slot_offset(r)) for r in range(self.local_world_size)]
 
     def listening(self) -> bool:
         """Whether any local worker asked ``checkpoint_requested()`` at least once."""
-        return any(listening for listening, _ in self._slots())
+        return any(slot[LISTENING] for slot in self._slots())
 
     def all_saved(self, number: int) -> bool:
         slots = self._slots()
-        return bool(slots) and all(saved in (number, SAVED_PENDING) for _, saved in slots)
+        return bool(slots) and all(slot[SAVED] in (number, SAVED_PENDING) for slot in slots)
+
+    def all_capable(self) -> bool:
+        """Every local worker said it can regroup in place."""
+        slots = self._slots()
+        return bool(slots) and all(slot[CAPABLE] for slot in slots)
+
+    def all_ready(self) -> bool:
+        """Every local worker is about to join its round's group."""
+        slots = self._slots()
+        return bool(slots) and all(slot[READY] for slot in slots)
+
+    def joined(self, generation: int) -> set[int]:
+        """The local ranks that took round ``generation`` (or a later one)."""
+        return {r for r, slot in enumerate(self._slots()) if slot[JOINED] >= generation}
+
+    def broken(self) -> bool:
+        """A local worker's process group broke and it waits for a new round."""
+        return any(slot[BROKEN] > self.generation for slot in self._slots())
+
+    def longest_step(self) -> float:
+        """The longest last step of any local worker, in seconds."""
+        return max((slot[STEP_US] for slot in self._slots()), default=0) / 1e6
 
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
             self._map = None
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        for path in (self.path, round_path(self.path)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)

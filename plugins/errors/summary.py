@@ -14,7 +14,12 @@ import signal
 from datetime import datetime
 from typing import Any
 
-from elastic.core.interfaces.failures import FailureRecord, FailureSummary, signal_number
+from elastic.core.interfaces.failures import (
+    FailureRecord,
+    FailureSummary,
+    failed_before_joining,
+    signal_number,
+)
 from elastic.core.workers.errorfile import write_text_atomic
 
 SUMMARY_FORMAT = "elastic.failure-summary/1"
@@ -142,11 +147,18 @@ def render_summary(summary: FailureSummary) -> str:
     """The whole table: root cause first, then every other failure in time order."""
     root = summary.root_cause
     title = f"elastic run {summary.run_id!r} FAILED (exit code {summary.exit_code})"
+    heading = "Root cause (first failure in the job, last round):"
+    if failed_before_joining(root):  # only this node left (core/agent/joining.py)
+        title = (
+            f"elastic run {summary.run_id!r}: this node LEFT the job (exit code "
+            f"{summary.exit_code}); the job goes on without it"
+        )
+        heading = "Cause (this node's workers failed at start-up, before it had joined):"
     parts = [
         "=" * WIDTH,
         title,
         "-" * WIDTH,
-        "Root cause (first failure in the job, last round):",
+        heading,
         render_failure(root),
         "-" * WIDTH,
     ]

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
-from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousParameters
+from elastic.core.interfaces.rendezvous import (
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 from elastic.core.log import say
 from elastic.core.rendezvous import net
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
 from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
+from elastic.core.tcpstore.client import TOKEN_HINT
 from elastic.core.tcpstore.view import (
     IDLE,
     RECEIVING,
@@ -107,6 +112,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._elastic = params.min_nodes < params.max_nodes  # nodes may join later
         self._conns: list[Connection] = []
         self._may_host = not params.read_only and is_host is not False
+        self._token = settings.token  # every store we host or reach asks for it
         if not self._try_hosting():
             if is_host and not params.read_only:
                 raise RendezvousConnectionError(
@@ -117,7 +123,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 probe(self.host, self.port)
         try:
             self._connect(params, settings)
-        except BaseException:
+        except BaseException:  # a store unreachable, Ctrl-C: close what was opened
+            for conn in self._conns:
+                conn.close()
             self._stop_hosting()
             if self._standby is not None:
                 self._standby.close()
@@ -125,26 +133,36 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
 
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
         prefix = job_prefix(params.run_id)
-        agent_conn = Connection(self.host, self.port, settings.read_timeout, GONE_HINT)
+        agent_conn = Connection(
+            self.host, self.port, settings.read_timeout, GONE_HINT, settings.token
+        )
         agent_conn.successors = self._candidates[1:]  # where a moved store may be already
+        self._conns = [agent_conn]  # closed by __init__ if anything below fails
         if params.read_only:
             agent_conn.call("check", [prefix])
         else:
             first_contact(agent_conn, prefix, settings.read_timeout, self._try_hosting)
             agent_conn.open_waiter()
-        monitor_store = None
-        self._conns = [agent_conn]
+        monitor_store = lease_store = None
         addr = params.local_addr or net.route_address(self.host, self.port)
         standby = ""
         if not params.read_only:
             # Its own connection, opened now so no connection cost lands inside a round.
             monitor_conn = Connection(
-                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT
+                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT, settings.token
             )
             monitor_conn.successors = self._candidates[1:]
+            self._conns.append(monitor_conn)
             monitor_conn.call("check", [prefix])
             monitor_store = PrefixStore(monitor_conn, prefix)
-            self._conns.append(monitor_conn)
+            # The keep-alives' own (``lease.py``).
+            lease_conn = Connection(
+                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT, settings.token
+            )
+            lease_conn.successors = self._candidates[1:]
+            self._conns.append(lease_conn)
+            lease_conn.call("check", [prefix])
+            lease_store = PrefixStore(lease_conn, prefix)
             if self._server is None:
                 self._standby, standby = self._keep_standby(addr)
         super().__init__(
@@ -155,13 +173,14 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             monitor_store,
             addr,
             standby,
+            lease_store,
         )
 
     def _moved_elsewhere(self) -> bool:
         """Whether another candidate endpoint serves a live store: the first endpoint's
         host handed it over, and a new store there would split the job in two."""
         for host, port in self._candidates[1:]:
-            found = standby_mark(host, port, 2.0)
+            found = standby_mark(host, port, 2.0, self._token)
             if found is not None:
                 found[1].close()
                 if not found[0]:
@@ -176,8 +195,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         for host, port in self._candidates[1:]:
             sock = try_listen(host, port)
             if sock is not None:
-                return TCPStoreServer(sock=sock, data=mark), net.join_host_port(host, port)
-        server = TCPStoreServer(addr, 0, data=mark)
+                server = TCPStoreServer(sock=sock, data=mark, token=self._token)
+                return server, net.join_host_port(host, port)
+        server = TCPStoreServer(addr, 0, data=mark, token=self._token)
         return server, net.join_host_port(addr, server.port)
 
     def _try_hosting(self) -> bool:
@@ -188,8 +208,14 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         sock = try_listen(self.host, self.port)
         if sock is None:
             return False
-        self._server = host_store(sock)
+        self._server = host_store(sock, self._token)
         log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
+        if self._token is None and not net.is_loopback(sock.getsockname()[0]):
+            say(
+                f"elastic: c10d: the store at {self.host}:{self.port} is open to anyone on the "
+                "network, who could end, fail or reshape this job; give every node the same "
+                f"job token to close it ({TOKEN_HINT})"
+            )
         if self._elastic and len(self._candidates) == 1:
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
@@ -214,8 +240,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         return standby is not None and not standby.holds(wire_key(STANDBY_KEY))
 
     def round_formed(self, asg: R.Assignment) -> None:
-        standbys = [parse_endpoint(s) for s in asg.standbys if s]
-        successors = list(dict.fromkeys([*self._candidates, *standbys]))
+        successors = Successors(self._candidates, asg.standbys)
         for conn in self._conns:
             conn.successors = successors
 
@@ -238,7 +263,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         for standby in standbys:
             host, port = parse_endpoint(standby)
             try:
-                client = TCPStoreClient(host, port, self.settings.read_timeout)
+                client = TCPStoreClient(host, port, self.settings.read_timeout, token=self._token)
             except RendezvousConnectionError:
                 continue
             try:
@@ -279,6 +304,40 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                     self._server.clients,
                 )
             self._stop_hosting()
+
+
+class Successors(Sequence[tuple[str, int]]):
+    """Where the store may have moved: the candidate endpoints, then the round's standbys
+    in rank order. Worked out on first use, when a connection looks for a moved store: a
+    round's N standbys are parsed by nobody while the store stays put, rather than by
+    every node when the round forms (N^2 in all for N handlers sharing a process)."""
+
+    def __init__(self, candidates: list[tuple[str, int]], standbys: list[str]) -> None:
+        self._candidates, self._standbys = candidates, standbys
+        self._endpoints: list[tuple[str, int]] | None = None
+
+    def _all(self) -> list[tuple[str, int]]:
+        if self._endpoints is None:  # two threads may both parse: the same result
+            parsed = []
+            for standby in self._standbys if isinstance(self._standbys, list) else []:
+                if not isinstance(standby, str):
+                    continue
+                try:
+                    parsed.append(parse_endpoint(standby))
+                except RendezvousConfigError:  # "" (none), or not an endpoint: skipped
+                    continue
+            self._endpoints = list(dict.fromkeys([*self._candidates, *parsed]))
+        return self._endpoints
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, int]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[str, int]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[str, int] | Sequence[tuple[str, int]]:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 CHUNK_BYTES = 4 << 20  # per MULTI_SET of a handover, well under a request's 64 MiB cap

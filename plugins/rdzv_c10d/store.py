@@ -68,9 +68,10 @@ def try_listen(host: str, port: int) -> socket.socket | None:
     return None
 
 
-def host_store(sock: socket.socket) -> TCPStoreServer:
-    """Serve the store on an already bound socket, so it listens on that address only."""
-    return TCPStoreServer(sock=sock)
+def host_store(sock: socket.socket, token: bytes | None = None) -> TCPStoreServer:
+    """Serve the store on an already bound socket, so it listens on that address only;
+    with the job token, only to clients that prove it."""
+    return TCPStoreServer(sock=sock, token=token)
 
 
 def probe(host: str, port: int, timeout: float = 3.0) -> None:

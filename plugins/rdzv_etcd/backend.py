@@ -59,16 +59,27 @@ class V2Backend:
             return EtcdStore(client, directory, heartbeat_ttl=ttl)
 
         job_store = store()
-        check_reachable(job_store.client)
-        host, port = job_store.client.members[0]
-        return RoundRendezvousHandler(
-            params,
-            settings,
-            self.name,
-            job_store,
-            None if params.read_only else store(),  # the monitor thread's own connection
-            params.local_addr or net.route_address(host, port),
-        )
+        monitor_store = lease_store = None
+        try:  # whatever stops us here (etcd unreachable, Ctrl-C) closes what was opened
+            check_reachable(job_store.client)
+            host, port = job_store.client.members[0]
+            if not params.read_only:
+                monitor_store = store()  # the monitor thread's own connection
+                lease_store = store()  # the keep-alives' own
+            return RoundRendezvousHandler(
+                params,
+                settings,
+                self.name,
+                job_store,
+                monitor_store,
+                params.local_addr or net.route_address(host, port),
+                lease_store=lease_store,
+            )
+        except BaseException:
+            for opened in (job_store, monitor_store, lease_store):
+                if opened is not None:
+                    opened.close()
+            raise
 
 
 __all__ = ["V2Backend"]

@@ -159,6 +159,12 @@ class EtcdClient:
         client.http = urllib3.PoolManager(num_pools=10, **kw)
         return client
 
+    def close(self) -> None:
+        """Close the pooled connections that are idle (one in use closes when its call
+        ends); a later call opens new ones."""
+        for client in self._clients:
+            client.http.clear()
+
     def url(self) -> str:
         return ",".join(f"{self.config.protocol}://{h}:{p}" for h, p in self.members)
 

@@ -93,7 +93,7 @@ class EtcdStore:
         return None
 
     def close(self) -> None:
-        """python-etcd's pooled connections close with the client."""
+        self.client.close()
 
     def get(self, key: str) -> bytes:
         self.wait([key])

@@ -36,6 +36,13 @@ def describe(
 ) -> JobStatus:
     limit = timedelta(seconds=min(timeout, DESCRIBE_TIMEOUT))
     store = tcp.connect_store(master_addr, master_port, limit, prefix)
+    try:  # one connection per call: `elastic status --watch` makes one per redraw
+        return _describe(store, run_id)
+    finally:
+        store.close()
+
+
+def _describe(store: Store, run_id: str) -> JobStatus:
     latest = _read(store, LATEST) or {}
     job = _read(store, JOB) or {}
     world_size = int(latest.get("world_size") or job.get("world_size") or 0)

@@ -96,7 +96,11 @@ def connect_store(addr: str, port: int, timeout: timedelta, prefix: str) -> Pref
     _wait_reachable(addr, port, timeout.total_seconds())
     conn = Connection(addr, port, timeout.total_seconds(), GONE_HINT)
     store = PrefixStore(conn, prefix)
-    store.check([JOB])  # connect now, inside the reachability bound
+    try:
+        store.check([JOB])  # connect now, inside the reachability bound
+    except BaseException:
+        store.close()
+        raise
     return store
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Sequence
 
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import (
@@ -33,6 +34,7 @@ from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.rendezvous.round.protocol import RoundProtocol
 from elastic.core.rendezvous.round.settings import RoundSettings
+from elastic.core.rendezvous.round.signing import SignedStore
 from elastic.core.rendezvous.round.status import describe
 
 log = logging.getLogger(__name__)
@@ -50,16 +52,23 @@ class RoundRendezvousHandler(RendezvousHandler):
         monitor_store: CoordinationStore | None,
         addr: str,
         standby: str = "",
+        lease_store: CoordinationStore | None = None,
     ) -> None:
-        """``standby``: where this node keeps a store ready to take over the job's
-        (``host:port``, published in its join records), "" for none."""
+        """``monitor_store``/``lease_store``: views of the job on connections of their
+        own, for the monitor thread and for the keep-alives (``lease.py``); ``standby``:
+        where this node keeps a store ready to take over the job's (``host:port``,
+        published in its join records), "" for none."""
         self.params = params
         self.settings = settings
         self.backend = backend
         self.run_id = params.run_id
-        self.job_store = job_store
-        self.rdzv_store = job_store.sub("rdzv/")
+        # Every record is signed and checked with the job token (signing.py); the raw
+        # stores are kept to close them.
+        self.job_store = SignedStore(job_store, settings.token, params.run_id)
+        self.rdzv_store = self.job_store.sub("rdzv/")
+        self._raw_stores = [s for s in (lease_store, monitor_store, job_store) if s is not None]
         self._monitor_store = monitor_store
+        self._lease_store = lease_store
         self._current: R.Assignment | None = None
         self._shut = False
         self._left = False
@@ -91,12 +100,15 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._monitor: Monitor | None = None
         if monitor_store is not None and not params.read_only:
             self._monitor = Monitor(
-                monitor_store.sub("rdzv/"),
+                SignedStore(monitor_store, settings.token, params.run_id),
                 self.node_id,
                 settings.heartbeat_interval,
                 settings.heartbeat_timeout,
                 self._presence,
                 hello_line(settings.token, params.run_id, self.node_id),
+                None
+                if lease_store is None
+                else SignedStore(lease_store, settings.token, params.run_id),
             )
 
     @property
@@ -197,6 +209,14 @@ class RoundRendezvousHandler(RendezvousHandler):
             raise RendezvousFencedError(why)
         return list(monitor.lost)
 
+    def watch_keys(self, keys: Sequence[str]) -> Callable[[], list[bytes] | None] | None:
+        """The monitor thread reads ``keys`` (job-level) on its tick, in the request it
+        makes anyway: a job watch costs the store nothing more."""
+        if self._monitor is None or self._shut:
+            return None
+        self._monitor.watch_job(list(keys))
+        return self._monitor.job_values
+
     def membership_changed(self) -> bool:
         if self._current is None:
             return False
@@ -251,9 +271,8 @@ class RoundRendezvousHandler(RendezvousHandler):
 
     def close_stores(self) -> None:
         """Close this node's store connections; idempotent."""
-        for store in (self._monitor_store, self.job_store):
-            if store is not None:
-                store.close()
+        for store in self._raw_stores:
+            store.close()
 
     def round_formed(self, asg: R.Assignment) -> None:
         """A round with this node in it formed (c10d: learn where the store may move)."""
@@ -279,7 +298,8 @@ class RoundRendezvousHandler(RendezvousHandler):
             # A key that is gone (a lease expired) is a node that no longer needs the store.
             beats = {m: v for m, v in zip(others, values, strict=True) if v}
             lost, done = tracker.update(beats, time.monotonic())
-            others = [m for m in beats if m not in set(lost) | set(done)]
+            finished = set(lost) | set(done)  # once, not per member: N can be 1000s
+            others = [m for m in beats if m not in finished]
             if others:
                 time.sleep(0.2)
 

@@ -1,34 +1,33 @@
-"""The background thread: heartbeats, liveness, departures, fencing, scale-up, closing.
+"""The background thread: liveness, departures, scale-up, closing; and the node's lease.
 
-It has its own store connection (a TCPStore client serialises its operations, so a long
-``wait`` in ``next_rendezvous`` would otherwise hold the heartbeat back). Each tick costs a
-node two operations whatever N is: its own heartbeat, and one ``multi_get`` of the
-``events`` counter with the heartbeats it watches (rank 0 watches every member, every
-other member watches rank 0). Only when ``events`` moved does the tick read ``closed``,
-the next round's counter, this round's ``lost`` list and the refusals. So a round costs
-O(N) operations per interval, never O(N^2). The constant matters as much: one store
-server (for c10d, a Python one) answers every node's ticks, so each operation added to a
-tick is N more requests a second there; that is why the rarely changing keys are read only
-when ``events`` moved (docs/benchmarks.md, "c10d rendezvous at scale", has the numbers).
-The agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` / ``is_closed()`` calls return
-cached values and never block on the network.
+Keep-alives and fencing are the lease's (``lease.py``: a store connection and a thread of
+their own, so nothing here delays them). This thread has a connection of its own too (a
+TCPStore client serialises its operations, so a long ``wait`` in ``next_rendezvous`` would
+otherwise hold it back). A tick is one store operation whatever N is: one ``multi_get`` of
+the ``events`` counter, the heartbeats this node watches (rank 0 watches every member,
+every other member watches rank 0) and the job-wide keys the agent asked for
+(``watch_job``: the failed flag, the round's restart claim and preemption notice). Only
+when ``events`` moved does the tick read ``closed``, the next round's counter, this
+round's ``lost`` list and the refusals. So an idle member costs the store two requests
+per heartbeat interval, this tick and the lease's keep-alive (on c10d a MULTI_GET and a
+COMPARE_SET), and a round O(N) operations per interval, never O(N^2). The constant
+matters as much: one store server (for c10d, a Python one) answers every node's ticks,
+so each operation added to a tick is N more requests a second there; that is why the
+rarely changing keys are read only when ``events`` moved (docs/architecture.md has the
+counts). The agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` /
+``is_closed()`` calls return cached values and never block on the network.
 
-Liveness compares heartbeat *values*, not clocks: a member is lost when its value has not
-changed for ``heartbeat_timeout`` of our own time and over several of our reads, so neither
-clock skew nor this thread being starved on a loaded machine looks like a dead node. A
-heartbeat key that vanishes (a lease expired) is lost at once; "left" is a departure.
+Liveness compares heartbeat *values*, not clocks: a member is lost when a read sent
+``heartbeat_timeout`` after we first received its current value, and at least
+``min_reads`` reads after that first one, still find that value. So neither clock skew
+nor this thread being starved on a loaded machine looks like a dead node, and a verdict
+never comes before the judged node's lease ran out (``lease.py`` has the argument). A
+heartbeat key that vanished (an etcd lease or TTL ran out) reads as an unchanged value:
+the same rule judges it. "left" is a departure, lost at once.
 
-Fencing: every tick that completes confirms our membership. When the store has left a
-tick unanswered for ``heartbeat_timeout`` (it is unreachable: a partition, or its host is
-down), or the others published us as lost, ``fenced`` says why and the agent stops its
-workers: a node cut off from the job must never keep training in a world that has moved
-on. Only an unanswered request counts (``Unanswered``): with hundreds of agents starting
-on few cores a tick may run late, and that is not a partition; if it runs so late that
-our heartbeat goes stale, the others publish us as lost, which fences us as well. And an
-unanswered request fences only while the store's host is silent too
-(``CoordinationStore.peer_silence``: TCP acknowledgements, keepalive probes included,
-come from its kernel): a store host starved of CPU, or a paused store process, still
-acknowledges, is not a partition, and cannot have moved the round on without us.
+Fencing (``fenced``): the others published us as lost, or our lease ran out; the agent
+then stops its workers, so a node cut off from the job never trains in a world that has
+moved on.
 """
 
 from __future__ import annotations
@@ -38,16 +37,21 @@ import threading
 import time
 from dataclasses import dataclass
 
-from elastic.core.interfaces.coordination import HOST_HEARD_WITHIN, CoordinationStore
+from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import (
+    RendezvousAuthError,
     RendezvousConnectionError,
     RendezvousStateError,
     RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.lease import Lease
 from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
+from elastic.core.rendezvous.round.signing import parse_counter, read_values
 
 log = logging.getLogger(__name__)
+
+RDZV = "rdzv/"  # the round's keys, under the job's view
 
 
 @dataclass
@@ -62,49 +66,38 @@ class LivenessTracker:
 
     def __init__(self, timeout: float, interval: float) -> None:
         self.timeout = timeout
-        self.min_reads = max(2, int(timeout / interval) - 1)
+        # At least three: a store paused while a keep-alive waits in it answers a peer at
+        # most once more with the old value (``lease.py``).
+        self.min_reads = max(3, int(timeout / interval) - 1)
         self._seen: dict[str, _Seen] = {}
 
-    def update(self, values: dict[str, bytes], now: float) -> tuple[list[str], list[str]]:
-        """Feed fresh values (b"" for a missing key); returns (lost node ids: stale,
-        vanished or departed, node ids that finished cleanly)."""
+    def update(
+        self, values: dict[str, bytes], asked: float, answered: float | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Feed the values of a read sent at ``asked`` and answered at ``answered`` (our
+        monotonic clock; b"" for a missing key); returns (lost node ids: stale or
+        departed, node ids that finished cleanly). A value's clock starts when it was
+        first *received*, and a verdict needs a read *sent* ``timeout`` later: a slow
+        answer never shortens the time a node is given."""
+        answered = asked if answered is None else answered
         lost, done = [], []
         for node, value in values.items():
             if value == R.DONE:
                 done.append(node)
                 continue
-            seen = self._seen.get(node)
-            if value == R.LEFT or (value == b"" and seen is not None and seen.value != b""):
-                lost.append(node)  # departed, or its lease expired: no need to wait
+            if value == R.LEFT:
+                lost.append(node)  # departed: no need to wait
                 continue
+            seen = self._seen.get(node)
+            if seen is not None and value == b"":
+                value = seen.value  # vanished (an etcd lease ran out): judged as unchanged
             if seen is None or seen.value != value:
-                self._seen[node] = _Seen(value, now)
+                self._seen[node] = _Seen(value, answered)
                 continue
             seen.unchanged_reads += 1
-            if now - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
+            if asked - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
                 lost.append(node)
         return lost, done
-
-
-class Unanswered:
-    """The fencing clock: how long the store has left us without an answer, counted from
-    the first request it has not answered. A thread that is merely late to ask (on a
-    machine starved of CPU) is not a store that does not answer, so it never counts;
-    a store that answers slowly but answers keeps the node in. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._since: float | None = None
-
-    def asking(self) -> None:
-        if self._since is None:
-            self._since = time.monotonic()
-
-    def answered(self) -> None:
-        self._since = None
-
-    def seconds(self) -> float:
-        since = self._since  # one read: the other thread may clear it meanwhile
-        return 0.0 if since is None else time.monotonic() - since
 
 
 def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
@@ -119,7 +112,11 @@ def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
 
 def note_event(store: CoordinationStore) -> None:
     """Tell every member's heartbeat thread to re-read the round's keys; call it *after*
-    the write it announces, so a tick that sees the new count also sees the write."""
+    the write it announces, so a tick that sees the new count also sees the write.
+
+    ``events`` is a hint anyone reaching the store can write (it cannot be signed: the
+    store adds to it): readers take a value that is no counter as "something changed",
+    and with a token ``SignedStore.add`` replaces it rather than fail to add to it."""
     store.add(R.EVENTS, 1)
 
 
@@ -141,8 +138,11 @@ def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
 
 
 class Monitor:
-    """``presence``: this agent's presence port (``presence.py``), served when it is rank
-    0; ``hello``: what this node says when it connects to rank 0's."""
+    """``store``: the job's view (the round's keys are under ``rdzv/``), on a connection
+    of this thread's own; ``lease_store``: another of the same view for the keep-alives
+    (None: ``store``, for tests); ``presence``: this agent's presence port
+    (``presence.py``), served when it is rank 0; ``hello``: what this node says when it
+    connects to rank 0's."""
 
     def __init__(
         self,
@@ -152,11 +152,14 @@ class Monitor:
         timeout: float,
         presence: PresenceServer | None = None,
         hello: bytes = b"",
+        lease_store: CoordinationStore | None = None,
     ) -> None:
-        self.store = store
+        self.job_store = store
+        self.store = store.sub(RDZV)
         self.node_id = node_id
         self.interval = interval
         self.timeout = timeout
+        self.lease = Lease((lease_store or store).sub(RDZV), R.hb_key(node_id), interval, timeout)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # tick now: a presence connection closed
@@ -168,16 +171,14 @@ class Monitor:
         if presence is not None:
             presence.on_change = self._wake.set
         self._thread: threading.Thread | None = None
-        self._seq = 0
-        self._beating = True
-        self._quiet = False
         # What the agent reads (cached, under _lock).
-        self.error: Exception | None = None
+        self._error: Exception | None = None
         self.closed = False
         self.waiting = 0
         self.lost: list[str] = []
-        self._unanswered = Unanswered()
-        self._slow_noted = False  # said once per episode that the store is only slow
+        # Job-wide keys read on every tick for the agent (``watch_job``), and their values.
+        self._job_keys: list[str] = []
+        self._job_values: list[bytes] | None = None
         # What to watch: the round we are a member of, or a forming round's coordinator.
         self._round: R.Assignment | None = None
         self._rank: int | None = None
@@ -192,13 +193,19 @@ class Monitor:
         self._events_seen: int | None = None
         self._published: list[str] = []
 
+    @property
+    def error(self) -> Exception | None:
+        """Final: the store is gone or its state corrupt (this thread's or the lease's)."""
+        return self._error or self.lease.error
+
     # -- control (agent thread) ----------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
             return
-        self.beat()  # exists before we join, so a coordinator can read it at once
+        # The heartbeat key exists before we join, so a coordinator can read it at once.
+        self.lease.start(self.node_id)
         self._thread = threading.Thread(
-            target=self._run, name=f"rdzv-heartbeat-{self.node_id}", daemon=True
+            target=self._run, name=f"rdzv-monitor-{self.node_id}", daemon=True
         )
         self._thread.start()
 
@@ -207,17 +214,28 @@ class Monitor:
         return self._thread is not None
 
     def stop(self, wait: bool = True) -> None:
-        """Stop the thread; ``wait=False`` when it may be stuck in a store call (a
+        """Stop the threads; ``wait=False`` when one may be stuck in a store call (a
         partition) and the caller must not be held up by it."""
         self._stop.set()
         self._wake.set()
+        self.lease.stop()
         self._stop_client()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
 
     def suspend_heartbeats(self) -> None:
-        """Stop beating but keep watching (how tests simulate a hung node)."""
-        self._beating = False
+        """Stop the keep-alives but keep watching (how tests simulate a hung node)."""
+        self.lease.suspend()
+
+    def watch_job(self, keys: list[str]) -> None:
+        """Read these job-wide keys on every tick (``job_values``); [] for none."""
+        with self._lock:
+            self._job_keys, self._job_values = list(keys), None
+
+    def job_values(self) -> list[bytes] | None:
+        """The ``watch_job`` keys' values as of the last tick; None before one."""
+        with self._lock:
+            return self._job_values
 
     def set_round(self, asg: R.Assignment | None, rank: int | None) -> None:
         with self._lock:
@@ -229,6 +247,7 @@ class Monitor:
             # A member connects to rank 0's presence port on its first tick in the round,
             # not here: a round's forming is not held up by N connections made at once.
             self._connect_in = asg if rank and asg is not None and asg.presence_port else None
+        self.lease.arm(asg is not None)
         self._stop_client()
         if rank == 0 and asg is not None and self._presence is not None:
             self._presence.watch(m for m in asg.members if m != self.node_id)
@@ -266,8 +285,9 @@ class Monitor:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
         and whether we may stay quiet (only the coordinator's liveness matters then)."""
         with self._lock:
-            self._watch, self._quiet = watch, quiet
+            self._watch = watch
             self._watch_tracker = LivenessTracker(2 * self.timeout, self.interval)
+        self.lease.set_quiet(quiet)
 
     @property
     def in_round(self) -> bool:
@@ -284,43 +304,17 @@ class Monitor:
                 f"the job declared this node lost in round {asg.round} (its heartbeat was "
                 "not seen in time); stopping its workers and rejoining"
             )
-        silent = self._unanswered.seconds()
-        if silent > self.timeout and self._cut_off(silent, where):
+        expired = self.lease.expired()
+        if expired is not None:
             return (
-                f"cannot reach the rendezvous store at {where} for {silent:.1f}s "
-                f"(heartbeat_timeout={self.timeout:g}s): stopping this node's workers so it "
-                "never trains in a world that has moved on; it rejoins when the store answers"
+                f"cannot reach the rendezvous store at {where}: no keep-alive acknowledged "
+                f"for {expired.silent:.1f}s (lease {self.lease.length:g}s, "
+                f"heartbeat_timeout={self.timeout:g}s): stopping this node's workers before "
+                "the others may count it lost; it rejoins when the store answers"
             )
         return None
 
-    def _cut_off(self, silent: float, where: str) -> bool:
-        """The store has not answered for ``silent`` s: are we cut off from it? Not while
-        its host still acknowledges our packets: then the store is slow (its host
-        overloaded, its process paused) and no one can move the round on without it, so
-        our workers keep a world that is still the job's."""
-        quiet = self.store.peer_silence()
-        # A reachable host may be this quiet between two keepalive answers, whatever the
-        # timeout: with heartbeat_timeout=1 s a probe due at 1 s lands just after it.
-        if quiet is None or quiet > max(self.timeout, HOST_HEARD_WITHIN):
-            return True
-        if not self._slow_noted:
-            self._slow_noted = True
-            log.warning(
-                "the rendezvous store at %s has not answered for %.1fs, but its host "
-                "acknowledges our packets (%.1fs ago): it is overloaded or paused, not "
-                "unreachable; waiting for it",
-                where,
-                silent,
-                quiet,
-            )
-        return False
-
     # -- the thread ----------------------------------------------------------------
-    def beat(self) -> None:
-        if self._beating:
-            self._seq += 1
-            self.store.heartbeat(R.hb_key(self.node_id), f"{self._seq} {time.time():.3f}")
-
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval
         while True:
@@ -334,35 +328,30 @@ class Monitor:
             if time.monotonic() >= next_tick:
                 # After a stall, carry on from now rather than bursting to catch up.
                 next_tick = max(next_tick + self.interval, time.monotonic())
-            self._unanswered.asking()
             try:
                 self._tick()
-                self._unanswered.answered()
-                self._slow_noted = False
-            except (RendezvousStateError, RendezvousStoreGoneError) as exc:
-                # Final: corrupt state, or the store's host says the store is gone.
+            except (RendezvousStateError, RendezvousStoreGoneError, RendezvousAuthError) as exc:
+                # Final: corrupt state, the store's host says the store is gone, or the
+                # job's records are signed with a token this node lacks.
                 with self._lock:
-                    self.error = exc
+                    self._error = exc
                 # The agent reads ``error`` within a tick and says it in one line of its
                 # own; logging it here too would say it twice.
-                log.debug("rendezvous heartbeat stopped: %s", exc)
+                log.debug("rendezvous monitor stopped: %s", exc)
                 return
             except RendezvousConnectionError as exc:
-                # Unreachable: keep trying (a partition may heal); ``fenced`` tells the
-                # agent once it has lasted heartbeat_timeout.
-                log.debug("rendezvous heartbeat: store unreachable: %s", exc)
+                # Unreachable: keep trying (a partition may heal); the lease fences.
+                log.debug("rendezvous monitor: store unreachable: %s", exc)
             except Exception as exc:  # a bug must surface to the agent, not kill silently
-                log.exception("rendezvous heartbeat failed")
+                log.exception("rendezvous monitor failed")
                 with self._lock:
-                    self.error = RendezvousConnectionError(f"heartbeat thread failed: {exc}")
+                    self._error = RendezvousConnectionError(f"monitor thread failed: {exc}")
                 return
 
     def _tick(self) -> None:
         self._connect_presence()
         with self._lock:
-            asg, rank, watch, quiet = self._round, self._rank, self._watch, self._quiet
-        if not quiet:
-            self.beat()
+            asg, rank, watch, job_keys = self._round, self._rank, self._watch, self._job_keys
         if watch is not None:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
@@ -370,29 +359,37 @@ class Monitor:
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
         targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
-        raw_events, *beats = self.store.multi_get([R.EVENTS] + [R.hb_key(m) for m in targets])
+        keys = [RDZV + R.EVENTS] + [RDZV + R.hb_key(m) for m in targets] + job_keys
+        asked = time.monotonic()
+        # read_values: a value not signed with the job token is None (signing.py).
+        values = read_values(self.job_store, keys)
+        answered = time.monotonic()
+        raw_events, beats = values[0], values[1 : 1 + len(targets)]
         if not raw_events:
-            self.store.add(R.EVENTS, 0)  # create it, so the next reads find every key
-        events = R.counter(raw_events, self.store.prefix + R.EVENTS)
+            self.store.compare_set(R.EVENTS, "", "0")  # create it: later reads find every key
+        # Only a hint: a value that is no counter (anyone may write one) means "re-read".
+        events = parse_counter(raw_events or b"")
         with self._lock:
             closed, waiting, seen = self.closed, self.waiting, self._events_seen
-        if events != seen:
+        if events is None or events != seen:
             closed = self.store.check([R.CLOSED])
-            nxt = R.count_key(asg.round + 1)
-            waiting = self.store.add(nxt, 0) if self.store.check([nxt]) else 0
+            # A count that is no counter (written by anyone) is nobody waiting.
+            waiting = parse_counter(self.store.multi_get([R.count_key(asg.round + 1)])[0]) or 0
             self._published = read_lost(self.store, asg.round)
             self._log_refused()
-        lost = self._check_members(asg, dict(zip(targets, beats, strict=True)))
+        # A foreign heartbeat value (None) is no news: never "left", never "vanished".
+        beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
+        lost = self._check_members(asg, beat_of, asked, answered)
         with self._lock:
             if asg is self._round:  # not replaced by a new round meanwhile
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
+            if job_keys == self._job_keys:  # not changed meanwhile
+                self._job_values = [v or b"" for v in values[1 + len(targets) :]]
 
     def _log_refused(self) -> None:
         """One line per node the job turned away (its fingerprint differed)."""
-        if not self.store.check([R.REFUSED_COUNT]):
-            return
-        count = self.store.add(R.REFUSED_COUNT, 0)
+        count = parse_counter(self.store.multi_get([R.REFUSED_COUNT])[0]) or 0
         for index in range(self._refused_seen + 1, count + 1):
             key = R.refused_key(index)
             if not self.store.check([key]):
@@ -407,8 +404,10 @@ class Monitor:
                 )
             self._refused_seen = index
 
-    def _check_members(self, asg: R.Assignment, beats: dict[str, bytes]) -> list[str]:
-        stale, _ = self._tracker.update(beats, time.monotonic())
+    def _check_members(
+        self, asg: R.Assignment, beats: dict[str, bytes], asked: float, answered: float
+    ) -> list[str]:
+        stale, _ = self._tracker.update(beats, asked, answered)
         with self._lock:
             dead = set(self._gone)  # a member: rank 0's process died
         if self._presence is not None and self._rank == 0:
@@ -421,13 +420,15 @@ class Monitor:
         return self._published
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
-        beats = {coordinator: self.store.multi_get([R.hb_key(coordinator)])[0]}
-        stale, done = self._watch_tracker.update(beats, time.monotonic())
+        asked = time.monotonic()
+        (beat,) = read_values(self.store, [R.hb_key(coordinator)])
+        beats = {} if beat is None else {coordinator: beat}
+        stale, done = self._watch_tracker.update(beats, asked, time.monotonic())
         if stale or done:
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
             # The same compare_set a coordinator publishes with: exactly one outcome wins,
             # and it wakes everyone waiting for this round.
-            abandoned = R.Assignment(round=rnd, state="abandoned").to_json(None, "")
+            abandoned = R.Assignment(round=rnd, state="abandoned").to_json()
             self.store.compare_set(R.assignment_key(rnd), "", abandoned)
             with self._lock:
                 self._watch = None

@@ -18,7 +18,10 @@ nothing: those stay with the heartbeats (``heartbeat_timeout``).
 What arrives on the port is untrusted: a hello is one line of at most ``HELLO_MAX``
 bytes, within ``HELLO_WAIT``, naming a member of the round (signed with the job token
 when there is one); anything else is closed. A stranger can at worst make us count a
-node as present a little longer; it cannot close another node's connection.
+node as present a little longer; it cannot close another node's connection. Connections
+are capped (``MAX_CONNECTIONS``, and the descriptor limit) and ``EMFILE`` pauses
+accepting, by the TCPStore server's rules (``elastic.core.tcpstore.limits``); each
+limit is logged once.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ import time
 from collections.abc import Callable, Iterable
 
 from elastic.core.rendezvous.round import records as R
+from elastic.core.tcpstore import limits
 
 log = logging.getLogger(__name__)
 
 BLIP_GRACE = 0.5  # s a closed connection may take to come back before it is a death
 HELLO_MAX = 512  # bytes of a hello line
 HELLO_WAIT = 2.0  # s a new connection has to say who it is
-MAX_CONNECTIONS = 4096  # open connections at most; more are closed at once
+# Open connections at most; more are closed at once. One per member of the round (and a
+# second one for a moment while one reconnects); beyond it, members rely on heartbeats.
+MAX_CONNECTIONS = 4096
 BYE = b"bye\n"
 
 
@@ -65,14 +71,15 @@ class PresenceServer:
             self._sock = socket.create_server((addr, 0))
         except OSError:  # an address we cannot bind (a name, or not ours): every address
             self._sock = socket.create_server(("", 0))
-        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._members: set[str] = set()
         self._open: dict[str, int] = {}  # node -> live connections that said hello
         self._closed_at: dict[str, float] = {}  # node -> when its last one closed unasked
         self._conns: dict[socket.socket, _Conn] = {}
-        self._capped = False
+        # The connections yet to say hello, so the loop never scans every connection for
+        # a hello that is due (rank 0 of a round of N holds N - 1 named ones).
+        self._unnamed: set[_Conn] = set()
         self.on_change: Callable[[], None] = lambda: None  # a connection closed unasked
         self._stop = threading.Event()
         # The thread sleeps in select() until a socket has something, or a hello is due:
@@ -80,7 +87,8 @@ class PresenceServer:
         # the rendezvous benchmark). ``close`` wakes it through this pair.
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel = selectors.DefaultSelector()
-        self._sel.register(self._sock, selectors.EVENT_READ)
+        self._limits = limits.LimitLog(f"presence port {self.port}")
+        self._listener = limits.Listener(self._sock, self._sel, None, MAX_CONNECTIONS, self._limits)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._run, name="rdzv-presence", daemon=True)
         self._thread.start()
@@ -132,32 +140,30 @@ class PresenceServer:
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            hellos = [c.opened + HELLO_WAIT for c in self._conns.values() if c.node is None]
-            timeout = max(0.0, min(hellos) - time.monotonic()) if hellos else None
+            hellos = [c.opened + HELLO_WAIT for c in self._unnamed]
+            timeout = limits.select_timeout(
+                time.monotonic(), min(hellos, default=None), self._listener.paused_until
+            )
             for key, _ in self._sel.select(timeout):
                 if key.fileobj is self._sock:
                     self._accept()
                 elif key.fileobj is not self._wake_r:  # the pair only says "stop"
                     self._read(self._conns[key.fileobj])  # type: ignore[index]
             now = time.monotonic()
-            for conn in list(self._conns.values()):
-                if conn.node is None and now - conn.opened > HELLO_WAIT:
+            self._listener.resume_if_due(now)
+            for conn in list(self._unnamed):
+                if now - conn.opened > HELLO_WAIT:
+                    self._limits.hit("HELLO_WAIT", f"no hello within {HELLO_WAIT:g}s; dropped")
                     self._drop(conn)
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._sock.accept()
-        except OSError:  # EMFILE and the like: the peer retries; the heartbeat covers it
-            time.sleep(0.05)
-            return
-        if len(self._conns) >= MAX_CONNECTIONS:
-            if not self._capped:
-                self._capped = True
-                log.warning("presence port: %d connections open; refusing more", len(self._conns))
-            sock.close()
+        sock = self._listener.accept(len(self._conns))
+        if sock is None:
             return
         sock.setblocking(False)
-        self._conns[sock] = _Conn(sock)
+        conn = _Conn(sock)
+        self._conns[sock] = conn
+        self._unnamed.add(conn)
         self._sel.register(sock, selectors.EVENT_READ)
 
     def _read(self, conn: _Conn) -> None:
@@ -175,13 +181,16 @@ class PresenceServer:
             line, sep, rest = conn.buf.partition(b"\n")
             if not sep:
                 if len(conn.buf) > HELLO_MAX:
+                    self._limits.hit("HELLO_MAX", f"a hello over {HELLO_MAX} bytes; dropped")
                     self._drop(conn)
                 return
             node = self._node_of(line)
             if node is None:
+                log.debug("presence port %d: a hello naming no member; dropped", self.port)
                 self._drop(conn)
                 return
             conn.node, conn.buf = node, rest
+            self._unnamed.discard(conn)
             with self._lock:
                 self._open[node] = self._open.get(node, 0) + 1
                 self._closed_at.pop(node, None)
@@ -202,6 +211,7 @@ class PresenceServer:
 
     def _drop(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock, None)
+        self._unnamed.discard(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()

@@ -22,6 +22,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousMismatchError,
+    RendezvousReusedIdError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -32,6 +33,7 @@ from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import note_event, read_lost
 from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say
 from elastic.core.rendezvous.round.settings import RoundSettings
+from elastic.core.rendezvous.round.signing import wait_present
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,11 @@ class RoundProtocol:
         self._abort = abort  # the heartbeat thread's error, if it lost the store
         self.allow_mismatch = allow_mismatch
         self._admitted = False  # our fingerprint matched the job's once; it cannot change
+        # A job closed before this is another job that had our run id (a reused id).
+        self.started_at = time.time()
+        # The newest round this node joined: it never joins one again, and never lets
+        # the round key go back below it (a replayed or foreign value set it back).
+        self._joined = -1
         # Waiting lines (progress_lines.py): the callback that prints them.
         self.progress: Say | None = None
         self._lines: RoundProgress | None = None
@@ -69,19 +76,28 @@ class RoundProtocol:
     def current_round(self) -> int:
         raw = self.store.compare_set(R.ROUND, "", "0")  # creates it at 0, or reads it
         try:
-            return int(raw)
+            rnd = int(raw)
         except ValueError:
             raise RendezvousStateError(
                 f"rendezvous state key {self.full(R.ROUND)!r} is not a round number: "
                 f"{bytes(raw[:60])!r}"
             ) from None
+        if rnd < self._joined:
+            # Rounds only advance: an older value is a replayed record, or a foreign one
+            # that was reset. Put back the newest we know.
+            self.store.compare_set(R.ROUND, raw, str(self._joined))
+            return self._joined
+        return rnd
 
     def read_assignment(self, rnd: int) -> R.Assignment | None:
         key = R.assignment_key(rnd)
-        if rnd < 0 or not self.store.check([key]):
+        if rnd < 0:
             return None
-        raw = self.store.get(key)
-        return R.Assignment.from_json(raw, self.full(key), self.s.token, self.run_id)
+        # One read: a missing (or foreign) value reads as b"", as a CHECK would say.
+        (raw,) = self.store.multi_get([key])
+        if not raw:
+            return None
+        return R.Assignment.from_json(raw, self.full(key), rnd)
 
     def read_lost(self, rnd: int) -> list[str]:
         return read_lost(self.store, rnd)
@@ -90,23 +106,32 @@ class RoundProtocol:
         return self.store.check([R.CLOSED])
 
     def _raise_if_closed(self) -> None:
-        if self.is_closed():
-            raise RendezvousClosedError(
-                f"the rendezvous of run {self.run_id!r} is closed (the job has finished)"
+        (raw,) = self.store.multi_get([R.CLOSED])
+        if not raw:
+            return
+        at = R.closed_at(raw)
+        if at is not None and at < self.started_at:
+            # This node started after the job closed: it was never one of its nodes.
+            when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(at))
+            raise RendezvousReusedIdError(
+                f"--rdzv-id={self.run_id} names a job that already finished (at {when}, "
+                f"before this agent started) on the store at {self.store.where}: give this "
+                "job a new --rdzv-id"
             )
+        raise RendezvousClosedError(
+            f"the rendezvous of run {self.run_id!r} is closed (the job has finished)"
+        )
 
     def publish(self, rnd: int, asg: R.Assignment) -> R.Assignment:
         """compare_set the round's outcome; returns whichever outcome won."""
-        desired = asg.to_json(self.s.token, self.run_id).encode()
+        desired = asg.to_json().encode()
         held = self.store.compare_set(R.assignment_key(rnd), "", desired)
         if held == desired:
             return asg
-        return R.Assignment.from_json(
-            held, self.full(R.assignment_key(rnd)), self.s.token, self.run_id
-        )
+        return R.Assignment.from_json(held, self.full(R.assignment_key(rnd)), rnd)
 
     def set_closed(self) -> None:
-        self.store.set(R.CLOSED, "1")
+        self.store.set(R.CLOSED, R.closed_record(self.node_id))
         note_event(self.store)
         rnd = self.current_round()
         # Wake whoever waits on an unformed round; a formed one learns it by heartbeat.
@@ -138,8 +163,11 @@ class RoundProtocol:
         deadline = time.monotonic() + self.s.join_timeout
         if self.progress is not None:
             self._lines = RoundProgress(self.progress, self.s.min_nodes, self.s.max_nodes, deadline)
+        first = True  # the first pass needs no second read of "closed": just done above
         while True:
-            self._raise_if_closed()
+            if not first:
+                self._raise_if_closed()
+            first = False
             rnd = self.current_round()
             asg = self.read_assignment(rnd)
             if asg is None:
@@ -156,9 +184,11 @@ class RoundProtocol:
             else:
                 self._standby(rnd, deadline)  # full job: wait until someone re-forms it
                 continue
+            target = max(target, self._joined + 1)  # an old round's outcome is not ours
             if target != rnd:
                 self.store.compare_set(R.ROUND, str(rnd), str(target))
             result = self._join(target, deadline)
+            self._joined = target  # its outcome is out: formed, abandoned or closed
             if result is not None:
                 return result
 
@@ -180,7 +210,6 @@ class RoundProtocol:
 
     def _join(self, rnd: int, deadline: float) -> R.Assignment | None:
         record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
-        record = R.signed(self.s.token, self.run_id, record)
         slot = self.store.add(R.count_key(rnd), 1)
         self.store.set(R.join_key(rnd, slot), R.dumps(record))
         if rnd > 0:  # the running round's members count the next round's joiners
@@ -209,23 +238,21 @@ class RoundProtocol:
         keys = [R.join_key(rnd, i) for i in range(first, last + 1)]
         if not keys:
             return []
-        try:  # a slot is written right after it is taken: this wait is short
-            self.store.wait(keys, timedelta(seconds=self.s.read_timeout))
-        except StoreTimeoutError:
-            pass  # a joiner died between add and set: its slot reads empty, and is skipped
+        values = dict(zip(keys, self.store.multi_get(keys), strict=True))
+        missing = [key for key, raw in values.items() if not raw]
+        if missing:  # taken, not written yet (or foreign): wait, then read those again
+            try:  # a slot is written right after it is taken: this wait is short
+                wait_present(self.store, missing, timedelta(seconds=self.s.read_timeout))
+            except StoreTimeoutError:
+                pass  # a joiner died between add and set: its slot reads empty, is skipped
+            values.update(zip(missing, self.store.multi_get(missing), strict=True))
         out = []
-        for key, raw in zip(keys, self.store.multi_get(keys), strict=True):
-            if not raw:
+        for key, raw in values.items():
+            if not raw:  # never written, or foreign (not signed for this job and slot)
                 continue
             record = R.loads(raw, self.full(key))
             if not R.valid_join(record, rnd):
                 log.warning("ignoring malformed join record at %s", self.full(key))
-            elif not R.verify(self.s.token, self.run_id, record):
-                log.warning(
-                    "ignoring join record at %s from %r: no valid signature for this job's token",
-                    self.full(key),
-                    record.get("host"),
-                )
             else:
                 out.append(record)
         return out

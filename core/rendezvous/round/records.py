@@ -4,36 +4,38 @@ Layout under ``<job prefix>/rdzv/`` (the agent's job-wide keys live beside it, u
 job prefix), the same on every coordination store::
 
     round                 the newest round number anyone joined (compare_set to advance)
-    closed                exists once the rendezvous is closed
+    closed                once the rendezvous is closed: who closed it and when (JSON)
     events                a counter bumped after anything a member's heartbeat thread must
                           notice (closed, a node lost or refused, a joiner for a next round),
                           so an idle tick reads one counter instead of every such key
     hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; at the end "done"
                           (its workers finished the job) or "left" (it departed)
     r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
-    r/<n>/join/<slot>     the join record of that slot (JSON, HMAC-signed with a token)
+    r/<n>/join/<slot>     the join record of that slot (JSON)
     r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
     r/<n>/lost            members of round n found dead or departed (JSON list)
     r/<n>/progress        while round n forms: who joined, who is missing (the coordinator's,
                           for the others' waiting lines; ``progress_lines.py``)
 
-Everything is JSON; nothing read from the store is ever unpickled.
+Everything is JSON; nothing read from the store is ever unpickled. With a job token every
+value but the counters is signed and bound to its key and job (``signing.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
 import socket
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from elastic.core.interfaces.rendezvous import RendezvousStateError
+from elastic.core.rendezvous.round.signing import mac
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,21 @@ def refused_key(index: int) -> str:
 DONE = b"done"  # finished: the job is complete for this node
 LEFT = b"left"  # departed (signalled) while the job goes on: never "done"
 GONE = frozenset({DONE, LEFT})  # a heartbeat that says its node will not train again
+
+
+def closed_record(node_id: str) -> str:
+    """What ``closed`` holds: who closed the job and when (wall clock), so an agent
+    started after that knows it was given a finished job's id, not a late place in it."""
+    return dumps({"at": time.time(), "by": node_id})
+
+
+def closed_at(raw: bytes) -> float | None:
+    """When the job closed, from ``closed``'s value; None when it does not say."""
+    try:
+        at = json.loads(raw).get("at")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
 
 
 def new_node_id() -> str:
@@ -116,9 +133,10 @@ def counter(raw: bytes, key: str) -> int:
 
 
 def sign(token: bytes, run_id: str, record: dict[str, Any]) -> str:
-    # The run id is part of the message: a record cannot be replayed into another job.
+    # For a record that travels outside the store (the presence hello): the store's own
+    # records are signed by ``signing.SignedStore``, with the same rule.
     body = dumps({k: v for k, v in record.items() if k != "sig"})
-    return hmac.new(token, f"{run_id}\n{body}".encode(), hashlib.sha256).hexdigest()
+    return mac(token, run_id, "presence/hello", body.encode())
 
 
 def signed(token: bytes | None, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +163,9 @@ def valid_join(record: Any, rnd: int) -> bool:
     )
 
 
+STATES = ("formed", "abandoned", "closed")
+
+
 @dataclass
 class Assignment:
     """One round's published outcome; ``members`` are node ids indexed by node rank."""
@@ -164,17 +185,17 @@ class Assignment:
     # By node rank: where each member keeps a store ready to take over the job's (c10d's
     # handover, "host:port"), "" for none.
     standbys: list[str] = field(default_factory=list)
-    sig: str | None = None
 
-    def to_json(self, token: bytes | None, run_id: str) -> str:
-        record = {k: v for k, v in asdict(self).items() if k != "sig"}
-        return dumps(signed(token, run_id, record))
+    def to_json(self) -> str:
+        return dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: bytes, key: str, token: bytes | None, run_id: str) -> Assignment:
+    def from_json(cls, raw: bytes, key: str, rnd: int) -> Assignment:
+        """Round ``rnd``'s assignment, read from ``key``; one that names another round
+        or state is not this round's outcome (a copy from elsewhere)."""
         record = loads(raw, key)
         try:
-            # Fields a newer version added are ignored (the signature covers them all).
+            # Fields a newer version added are ignored.
             known = {f.name for f in fields(cls)}
             if not isinstance(record, dict):
                 raise TypeError
@@ -183,9 +204,10 @@ class Assignment:
             raise RendezvousStateError(
                 f"rendezvous state key {key!r} is not an assignment: {bytes(raw[:60])!r}"
             ) from None
-        if asg.state == "formed" and not verify(token, run_id, record):
+        if asg.round != rnd or asg.state not in STATES:
             raise RendezvousStateError(
-                f"rendezvous state key {key!r} has no valid signature for this job's token"
+                f"rendezvous state key {key!r} holds round {asg.round!r}'s outcome "
+                f"{asg.state!r}, not one of round {rnd}"
             )
         return asg
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousParameters
 
+# The job token from the environment, for a scheduler to inject (``token_file`` wins):
+# the path of a file holding it, or the token itself (not both).
+TOKEN_FILE_ENV = "ELASTIC_RDZV_TOKEN_FILE"
 TOKEN_ENV = "ELASTIC_RDZV_TOKEN"
 
 # Every key the round itself reads; a backend adds its own (connection, hosting) and the
@@ -33,7 +36,7 @@ ROUND_KEYS = (
     "keep_alive_interval",  # torch's name for heartbeat_interval
     "keep_alive_max_attempt",  # torch's: heartbeat_timeout = interval * this
     "read_timeout",  # s a single store operation may take (10)
-    "token_file",  # file holding the job token that signs join records (HMAC-SHA256)
+    "token_file",  # file holding the job token: signs the records, admits to our store
 )
 
 
@@ -62,18 +65,31 @@ def _number(params: RendezvousParameters, key: str, default: float, *, zero_ok: 
     return value
 
 
+def _token_from(path: str, given: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise RendezvousConfigError(f"{given}: {exc.strerror or exc}") from None
+    if not token:
+        raise RendezvousConfigError(f"{given}: the file is empty (expected the job token)")
+    return token
+
+
 def read_token(path: str | None) -> bytes | None:
+    """The job token: ``--rdzv-conf token_file``, else ``ELASTIC_RDZV_TOKEN_FILE``, else
+    ``ELASTIC_RDZV_TOKEN``; None for none."""
     if path:
-        try:
-            with open(path, "rb") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise RendezvousConfigError(f"--rdzv-conf token_file={path}: {exc}") from None
-        if not token:
-            raise RendezvousConfigError(f"--rdzv-conf token_file={path} is empty")
-        return token
-    env = os.environ.get(TOKEN_ENV, "").strip()
-    return env.encode() if env else None
+        return _token_from(path, f"--rdzv-conf token_file={path}")
+    file_env = os.environ.get(TOKEN_FILE_ENV, "").strip()
+    inline = os.environ.get(TOKEN_ENV, "").strip()
+    if file_env and inline:
+        raise RendezvousConfigError(
+            f"{TOKEN_FILE_ENV} and {TOKEN_ENV} are both set: give the job token one way"
+        )
+    if file_env:
+        return _token_from(file_env, f"{TOKEN_FILE_ENV}={file_env}")
+    return inline.encode() if inline else None
 
 
 def _liveness(params: RendezvousParameters) -> tuple[float, float]:

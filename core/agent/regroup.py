@@ -1,0 +1,195 @@
+"""Regrouping in place: the agent keeps its workers through a membership change.
+
+A node leaving (preempted, gone) or joining, or another node's workers failing, re-forms
+the job in a new round. Workers that said they can regroup (a "capable" mark in their
+control-file slot: ``elastic.train``, ``elastic.membership_changed()``) need no restart
+for it: the agent raises a regroup request in the control file (the ranks agree in their
+per-step all_reduce to stop at one step boundary), joins the next round, waits until
+every node of it is ready (``wait_ready``: a joiner's new workers start while ours train
+on), writes each local rank's torchrun variables to the round file and waits until every
+worker took them. The workers re-create their process group themselves
+(``elastic.training.regroup``); the agent watches the same processes again and no restart
+is spent. A worker that lost its group under it (a peer died mid-collective) marks itself
+"broken" and the monitor re-forms the job for it.
+
+Anything else takes the usual path: workers that did not say so (plain scripts), a
+worker that died, or one that did not take the new round within ``BOUNDARY_WAIT`` plus
+twice its longest step (stuck in a collective with a dead peer) are stopped and started
+again in the new round. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from elastic.core.agent.checkpoint_on_notice import Coordinator
+from elastic.core.agent.outcome import Outcome
+from elastic.core.agent.store_call import store_call
+from elastic.core.interfaces.job_keys import FINISHED_KEY, READY_KEY, REPLACED_KEY
+from elastic.core.interfaces.spec import WorkerGroup
+from elastic.core.interfaces.store import Store
+from elastic.core.workers.control_file import ControlFile
+from elastic.core.workers.env import worker_vars
+from elastic.core.workers.process import WorkerProcess
+
+# Outcomes that re-form the job without anything wrong on this node.
+MEMBERSHIP_OUTCOMES = frozenset({Outcome.LOST_NODE, Outcome.MEMBERSHIP, Outcome.PEER_FAILED})
+# s (plus twice the longest step) for the workers to reach a boundary and take the round
+BOUNDARY_WAIT = 5.0
+# s the kept workers train on while a joining node's new workers start (import torch,
+# build the model): scripts that create their group with elastic.init_process_group say
+# when they are about to join; others are waited for this long, then joined anyway.
+READY_WAIT = 30.0
+# s the round's rank 0, its bound run out, still looks for another node replacing its
+# workers in the round: the bounds run out at about the same time when one node's worker is
+# stuck in a long step and the others wait for it in a collective (``wait_taken``).
+REPLACED_GRACE = 1.0
+_POLL = 0.01
+
+
+def can_regroup(outcome: Outcome, control: ControlFile, workers: Sequence[WorkerProcess]) -> bool:
+    """Whether this attempt's end can be handled by regrouping the same workers."""
+    return (
+        outcome in MEMBERSHIP_OUTCOMES
+        and bool(workers)
+        and control.all_capable()
+        and all(w.poll() is None for w in workers)
+    )
+
+
+class RoundWatch:
+    """Called by the monitor every interval of a round: says whether the job must
+    re-form now for workers that can regroup, and counts this node ready once.
+
+    Re-form: a local worker's group broke (a peer died mid-collective), or every node of
+    the round saved on a preemption notice: the noticed node leaves this moment, and our
+    workers, stopped at that step, need not wait a heartbeat tick for its departure to be
+    published (the round waits for it by itself). Ready: this node's new workers are about
+    to join the round's group (``READY_KEY``); nodes that kept theirs wait for that."""
+
+    def __init__(self, coordinator: Coordinator, world_size: int, *, counted: bool) -> None:
+        self._coordinator = coordinator
+        self._world_size = world_size
+        self._counted = counted
+
+    def __call__(self) -> bool:
+        coordinator = self._coordinator
+        control = coordinator.control
+        if not self._counted and control.all_ready():
+            store_call(coordinator.store.add, READY_KEY.format(coordinator.round), 1)
+            self._counted = True
+        if control.broken():
+            return True
+        return control.all_capable() and store_call(coordinator.complete, self._world_size)
+
+
+def wait_ready(
+    store: Store,
+    round_: int,
+    world_size: int,
+    workers: Sequence[WorkerProcess],
+    sleep: Callable[[float], None],
+) -> None:
+    """Count this node ready for round ``round_``, then wait (bounded by ``READY_WAIT``)
+    until every node is: a joining node's workers import and set up while ours train on
+    in the old group, so the pause is one step and a connect, not their start-up. Ends
+    early when a local worker ended (the caller's next wait sees it)."""
+    key = READY_KEY.format(round_)
+    count = int(store_call(store.add, key, 1))
+    deadline = time.monotonic() + READY_WAIT
+    while count < world_size and time.monotonic() < deadline:
+        if any(w.poll() is not None for w in workers):
+            return
+        sleep(_POLL)
+        count = int(store_call(store.add, key, 0))
+
+
+def finished(workers: Sequence[WorkerProcess], sleep: Callable[[float], None]) -> bool:
+    """Whether the workers finished training (all exited 0) while the next round formed:
+    the ranks agree on the last step, so once one is done the others follow at once."""
+    if not any(w.poll() == 0 for w in workers):
+        return False
+    deadline = time.monotonic() + BOUNDARY_WAIT
+    while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
+        sleep(_POLL)
+    return all(w.poll() == 0 for w in workers)
+
+
+def announce_finished(store: Store, round_: int) -> None:
+    """Our kept workers finished the job in the last round while ``round_`` formed: its
+    new workers wait for a group that will not come. Their agents' job watch reads this
+    and they meet ours at the round's exit barrier, so every node ends with success."""
+    store_call(store.set, FINISHED_KEY.format(round_), "1")
+
+
+def hand_over(
+    control: ControlFile,
+    group: WorkerGroup,
+    workers: Sequence[WorkerProcess],
+    *,
+    run_id: str,
+    use_agent_store: bool,
+    error_files: Mapping[int, str],
+) -> int:
+    """Publish ``group``'s new round (placed by ``place_group``) to the running
+    ``workers``, who keep their pids; returns the round's generation."""
+    pids = {w.local_rank: w.pid for w in workers}
+    envs = {}
+    for worker in group.workers:
+        worker.pid = pids.get(worker.local_rank)
+        envs[worker.local_rank] = worker_vars(
+            group,
+            worker,
+            run_id=run_id,
+            use_agent_store=use_agent_store,
+            error_file=error_files.get(worker.local_rank, ""),
+        )
+    control.request(0)  # a checkpoint request belonged to the round that is gone
+    return control.hand_over(envs)
+
+
+def wait_taken(
+    control: ControlFile,
+    generation: int,
+    workers: Sequence[WorkerProcess],
+    sleep: Callable[[float], None],
+    replaced: Callable[[], bool] = lambda: False,
+    patient: bool = False,
+) -> bool:
+    """Until every worker took round ``generation`` or ended (the monitor then judges how)
+    (True), or the bound ran out (False).
+
+    ``replaced()``: whether another node gave up on its workers in this round and is
+    restarting them. Ours may be waiting only in a collective with one of those, which
+    fails once it is stopped; then ours roll back and take the round. So when the bound
+    runs out and another node replaced its workers, ours get ``BOUNDARY_WAIT`` more, once.
+    The bounds of two such nodes run out together: the ``patient`` one (the round's rank
+    0) looks for the other's announcement for ``REPLACED_GRACE`` more, the others give up
+    at once, so one of the two is kept when its workers were only waiting."""
+    deadline = time.monotonic() + BOUNDARY_WAIT + 2 * control.longest_step()
+    extended = False
+    while True:
+        taken = control.joined(generation)
+        if all(w.local_rank in taken or w.poll() is not None for w in workers):
+            return True
+        now = time.monotonic()
+        if now >= deadline:
+            if extended:
+                return False
+            if replaced():
+                extended, deadline = True, now + BOUNDARY_WAIT
+            elif not patient or now >= deadline + REPLACED_GRACE:
+                return False
+        sleep(_POLL)
+
+
+def announce_replaced(store: Store, round_: int) -> None:
+    """This node gave up waiting for its workers to take ``round_`` and restarts them: the
+    others' workers, waiting for ours in a collective, are about to be freed."""
+    store_call(store.add, REPLACED_KEY.format(round_), 1)
+
+
+def replaced_in(store: Store, round_: int) -> bool:
+    """Whether a node announced ``announce_replaced`` for ``round_``."""
+    return int(store_call(store.add, REPLACED_KEY.format(round_), 0)) > 0

@@ -1,0 +1,260 @@
+"""``Lease``: this node's keep-alives, and the one fencing rule every backend shares.
+
+The rule is the lease of etcd and Chubby. A node is a member of its round while the store
+has acknowledged a keep-alive *sent* less than ``length`` ago; once that is no longer
+true it fences (stops its workers) and stays fenced for the round. ``length`` is
+``heartbeat_timeout`` minus ``STOP_MARGIN`` (4 s of the default 5 s).
+
+Why the node fences at least ``STOP_MARGIN`` before any peer may declare it lost. A
+keep-alive writes a new value to the node's heartbeat key. A peer declares the node lost
+only after a read it *issued* at least ``heartbeat_timeout`` after it first *received*
+the value it still reads (``monitor.LivenessTracker``). Say that value was written by
+keep-alive k, sent at s_k. The peer received it after the store applied it, so after
+s_k: the peer's clock starts no earlier than s_k, and its verdict comes no earlier than
+s_k + heartbeat_timeout. And since that read still returns k's value, no later keep-alive
+had been applied when it was issued, so none had been acknowledged either: the newest
+keep-alive the node could have seen acknowledged by then is k or an older one, and its
+lease ran out by s_k + length = s_k + heartbeat_timeout - STOP_MARGIN. Only durations are
+compared (each on its own monotonic clock), never two machines' clocks. The node's agent
+reads ``fenced`` about every 0.5 s and sends its workers SIGTERM at once, so they are
+stopped before the verdict, and a new round forms only after it (the verdict has to be
+published and seen first). The rule counts nothing but the store's answers: a tick that
+runs late, a log write or a WAIT on another connection never fences anyone; keep-alives
+have a connection and a thread of their own.
+
+Jeopardy: a store that is slow is not a store that is gone. When the lease runs out while
+a keep-alive is on its way and the store's *host* still acknowledges this connection's
+packets (``CoordinationStore.peer_silence``: TCP acknowledgements from its kernel,
+keepalive probes included, within ``HOST_HEARD_WITHIN``), the keep-alive has reached the
+store and waits in its input: its process is paused or starved of CPU. The node then
+waits for the answer instead of fencing. Why that cannot let two worlds train at once: a
+store that serves nobody (paused) answers no peer either; one that serves connections in
+turn (ours and torch's TCPStore servers answer every connection with input on each round
+of their event loop) applies our waiting keep-alive before it answers any read a peer
+sends after that round. A peer has one read in flight at a time, so while we wait it gets
+at most one more answer with our old value; before, it had at most two (the value was at
+most a keep-alive period old when the next one reached the store), and a verdict needs
+at least three reads after the first that found the value unchanged
+(``LivenessTracker.min_reads``). Only a connection the store has answered counts (a
+client is connected once its handshake was answered; the kernel also acknowledges data in
+the accept queue of a server that never reads it), and a connection being made again
+never does. The exception needs one connection to the one store: an etcd cluster has
+other members that may serve a peer while ours is stuck, and its adapters (connection
+pools) report no ``peer_silence``, so on etcd the lease alone decides. The wait is bounded
+by the keep-alive connection's ``read_timeout`` (10 s by default): a call still
+unanswered then is given up and its connection made again, which ends the jeopardy. (A
+longer bound would ride out longer pauses, but a call stuck across a partition then
+waits for TCP's retransmission backoff after the heal, and delays the node's return.)
+
+Once fenced the node stays fenced until its next round (``arm``): an acknowledgement that
+arrives after the lease ran out proves nothing about the time in between, when a peer may
+have declared the node lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic.core.interfaces.coordination import HOST_HEARD_WITHIN, CoordinationStore
+from elastic.core.interfaces.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousStoreGoneError,
+)
+from elastic.core.rendezvous.round.judges import JUDGES
+
+log = logging.getLogger(__name__)
+
+# How much sooner than the peers' verdict (heartbeat_timeout) a node fences: time for its
+# agent to see it (it polls every 0.5 s) and to signal its workers.
+STOP_MARGIN = 1.0
+# How often the judge looks again while the lease is in jeopardy (run out, store slow).
+JEOPARDY_POLL = 0.1
+
+
+def lease_length(heartbeat_timeout: float) -> float:
+    """Seconds from a keep-alive's send to the end of the lease it renews."""
+    return heartbeat_timeout - min(STOP_MARGIN, heartbeat_timeout / 2)
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """Why the lease ran out: how long no keep-alive had been acknowledged then."""
+
+    silent: float
+
+
+class Lease:
+    """Keep-alives on ``store`` (its own connection) to ``key`` every ``period`` s, from a
+    daemon thread, and a judge that decides when the lease ran out (run by the process's
+    one judge thread, ``judges.JUDGES``)."""
+
+    def __init__(self, store: CoordinationStore, key: str, interval: float, timeout: float):
+        self.store = store
+        self.key = key
+        self.timeout = timeout
+        self.length = lease_length(timeout)
+        # At least three keep-alives per lease: one late or lost answer never ends it.
+        self.period = min(interval, self.length / 3)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake_keeper = threading.Event()
+        self._seq = 0
+        self._acked_sent: float | None = None  # send time of the newest acknowledged one
+        self._in_flight: float | None = None  # send time of the one awaiting its answer
+        self._armed = False  # judged only while this node is a member of a round
+        self._expired: Expiry | None = None
+        self._beating = True
+        self._quiet = False
+        self._slow_noted = False  # said once per episode that the store is only slow
+        self.error: Exception | None = None  # final: the store is gone or corrupt
+        self._thread: threading.Thread | None = None
+
+    # -- control --------------------------------------------------------------------
+    def start(self, name: str) -> None:
+        """One keep-alive now (the key exists before this node joins), then the keep-alive
+        thread and the judge."""
+        if self._thread is not None:
+            return
+        self.renew()
+        # A store that cannot tell a slow store from a gone one (no ``peer_silence`` on a
+        # connection in use: etcd) has no jeopardy, so it gets keep-alives twice as
+        # often: a pause up to the lease minus half an interval (3.5 s by default)
+        # fences nobody there either.
+        if self.store.peer_silence() is None:
+            self.period /= 2
+        self._thread = threading.Thread(
+            target=self._keep, name=f"rdzv-keepalive-{name}", daemon=True
+        )
+        self._thread.start()
+        JUDGES.add(self, self._judge_step)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake_keeper.set()
+        JUDGES.remove(self)
+
+    def suspend(self) -> None:
+        """Stop sending keep-alives (how tests make a node look hung)."""
+        self._beating = False
+
+    def set_quiet(self, quiet: bool) -> None:
+        """No keep-alives while quiet (a node waiting for a round to form); the first
+        one goes out as soon as that ends."""
+        self._quiet = quiet
+        if not quiet:
+            self._wake_keeper.set()
+
+    def arm(self, member: bool) -> None:
+        """A round with this node in it formed (``member``), or none is running. A new
+        round starts unfenced; a lease gone stale while this node waited quietly for
+        the round is renewed first, so the round does not start fenced."""
+        with self._lock:
+            self._expired = None
+            self._armed = False
+            stale = self._acked_sent is None or self._left(time.monotonic()) < self.period
+        if member and stale:
+            try:
+                self.renew()
+            except (RendezvousConnectionError, RendezvousStateError):
+                pass  # not renewed: the judge fences once the old lease is over
+        with self._lock:
+            self._armed = member
+        JUDGES.wake(self)
+
+    # -- what the round reads ---------------------------------------------------------
+    def expired(self) -> Expiry | None:
+        with self._lock:
+            self._judge(time.monotonic())
+            return self._expired
+
+    # -- keep-alives ------------------------------------------------------------------
+    def renew(self) -> None:
+        """Send one keep-alive and wait for its answer (any thread)."""
+        sent = time.monotonic()
+        with self._lock:
+            if self._stop.is_set():  # never after a departure ("left") was written
+                return
+            self._seq += 1
+            value = f"{self._seq} {time.time():.3f}"
+            if self._in_flight is None:
+                self._in_flight = sent
+        try:
+            self.store.heartbeat(self.key, value)
+        except BaseException:
+            with self._lock:
+                self._in_flight = None
+            raise
+        with self._lock:
+            # Judged as of the answer, before it counts: a lease that ran out (and was
+            # not excused) stays run out.
+            now = time.monotonic()
+            self._judge(now)
+            if self._acked_sent is None or sent > self._acked_sent:
+                self._acked_sent = sent
+            if self._expired is None and self._armed and self._left(now) < 0:
+                # Answered after a wait in jeopardy, too late to renew the lease: the next
+                # keep-alive goes out at once and carries the wait on.
+                self._in_flight = now
+                self._wake_keeper.set()
+            else:
+                self._in_flight = None
+                self._slow_noted = False
+
+    def _keep(self) -> None:
+        due = time.monotonic() + self.period
+        while not self._stop.is_set():
+            self._wake_keeper.wait(max(0.0, due - time.monotonic()))
+            self._wake_keeper.clear()
+            if self._stop.is_set():
+                return
+            # A period after the last one was *sent*: after an answer that took long (a
+            # paused store) the next goes out at once, while the lease it extended is new.
+            due = time.monotonic() + self.period
+            if not self._beating or self._quiet:
+                continue
+            try:
+                self.renew()
+            except (RendezvousStateError, RendezvousStoreGoneError) as exc:
+                if not self._stop.is_set():  # stopped: this node left meanwhile
+                    self.error = exc  # the monitor reports it to the agent
+                return
+            except RendezvousConnectionError as exc:
+                log.debug("keep-alive not acknowledged: %s", exc)
+
+    # -- the judge --------------------------------------------------------------------
+    def _left(self, now: float) -> float:
+        """Seconds of lease left (negative: run out). Caller holds the lock."""
+        return (self._acked_sent or -float("inf")) + self.length - now
+
+    def _judge_step(self, now: float) -> float | None:
+        """Judge now; when to judge again (monotonic), None: not until ``arm``."""
+        with self._lock:
+            self._judge(now)
+            if not self._armed or self._expired is not None:
+                return None  # nothing to judge until the next round
+            return now + max(self._left(now), JEOPARDY_POLL)
+
+    def _judge(self, now: float) -> None:
+        """Record the expiry when the lease ran out and is not in jeopardy. Caller holds
+        the lock."""
+        if not self._armed or self._expired is not None or self._left(now) >= 0:
+            return
+        silent = now - self._acked_sent if self._acked_sent is not None else float("inf")
+        heard = self.store.peer_silence() if self._in_flight is not None else None
+        if heard is not None and heard <= HOST_HEARD_WITHIN:
+            if not self._slow_noted:
+                self._slow_noted = True
+                log.warning(
+                    "the rendezvous store at %s has not acknowledged a keep-alive for "
+                    "%.1fs, but its host acknowledges our packets (%.1fs ago): it is "
+                    "overloaded or paused, not unreachable; waiting for it",
+                    self.store.where,
+                    silent,
+                    heard,
+                )
+            return
+        self._expired = Expiry(silent)

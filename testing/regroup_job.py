@@ -1,0 +1,140 @@
+"""The in-place regroup job on a simulated cluster (``tests/test_regroup_multihost.py``,
+``bench/regroup.py``): an ``elastic.train`` worker on gloo (``REGROUP_WORKER``), the
+events it writes (``read_events`` of ``elastic.testing.preemption_job``) and the job that
+runs it on every host (``regroup_job``).
+
+The state is an integer accumulator: step ``s`` adds the sum over 12 items of an integer
+function of ``(s, item)``, each rank summing its share of the items and one all_reduce
+adding the shares, so the final value is exactly (bit for bit) the same whatever the
+world size was at each step, and equal to ``--reference``'s. It snapshots (rollback) and
+syncs from the most tenured rank (the highest step). No checkpointer: every recovery is
+in place. Events, one JSON line each in ``FAULTS_OUT/events.jsonl``: "start" (a process
+started), "sync" (after ``state.sync``), "step" (a step completed: its value), "done";
+each with the time, host, pid, and the rank, world and restart count of that moment.
+A file ``FAULTS_OUT/stall-<host>`` makes that host's worker sleep 30 s in its next step
+(and is removed): a worker that cannot reach a step boundary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastic.testing.cluster import Cluster
+from elastic.testing.multihost import START_RECORD, FaultJob, c10d_script_job
+
+REGROUP_WORKER = (
+    """\
+import faulthandler, json, os, socket, sys, time
+t0 = time.time()  # the start record's time: before torch is imported
+faulthandler.enable()
+
+ITEMS = 12
+MOD = 2**61 - 1
+
+
+def share(step, rank, world):
+    return sum((step * 7919 + i * 104729) % 1000003 for i in range(ITEMS) if i % world == rank)
+
+
+def advance(value, total):
+    return (value * 31 + total) % MOD
+
+
+if sys.argv[1] == "--reference":
+    value = 0
+    for step in range(1, int(sys.argv[2]) + 1):
+        value = advance(value, share(step, 0, 1))
+    print(json.dumps(value))
+    sys.exit(0)
+
+import torch
+import torch.distributed as dist
+import elastic
+
+"""
+    + START_RECORD
+    + """\
+events = os.open(os.path.join(out, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def note(event, step, **kw):
+    now = {k.lower(): int(os.environ[k]) for k in ("RANK", "WORLD_SIZE")}
+    line = dict(rec, t=time.time(), event=event, step=step, rank=now["rank"],
+                world=now["world_size"],
+                restart=int(os.environ["TORCHELASTIC_RESTART_COUNT"]), **kw)
+    os.write(events, (json.dumps(line) + "\\n").encode())  # one O_APPEND write per line
+
+
+steps, pause = int(sys.argv[1]), float(sys.argv[2])
+in_place = sys.argv[3:] != ["restart"]  # "restart": today's path, for the bench
+
+
+class Accumulator(elastic.State):
+    def __init__(self):
+        self.step, self.value = 0, 0
+
+    def capture_snapshot(self):
+        return {"step": self.step, "value": self.value}
+
+    def apply_snapshot(self, snapshot):
+        self.step, self.value = snapshot["step"], snapshot["value"]
+
+    def sync(self, world_size, rank):
+        every = [None] * world_size
+        dist.all_gather_object(every, self.capture_snapshot())
+        self.apply_snapshot(max(every, key=lambda s: s["step"]))  # the most tenured
+        note("sync", self.step)
+
+
+def train_step(state):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stall = os.path.join(out, "stall-" + rec["host"])
+    if os.path.exists(stall):  # a test makes this worker miss the next step boundary
+        os.unlink(stall)
+        time.sleep(float(os.environ.get("REGROUP_STALL", "30")))
+    total = torch.tensor([share(state.step + 1, rank, world)], dtype=torch.int64)
+    dist.all_reduce(total)
+    state.value = advance(state.value, int(total.item()))
+    state.step += 1
+    note("step", state.step, value=state.value)
+    time.sleep(pause)
+    return state.step >= steps
+
+
+elastic.init_process_group(backend="gloo", timeout=60)
+note("start", 0)
+state = Accumulator()
+last = elastic.train(train_step, state, checkpointer="", regroup_in_place=in_place)
+note("done", last, value=state.value)
+dist.barrier()
+dist.destroy_process_group()
+"""
+)
+
+
+def regroup_job(
+    cluster: Cluster,
+    workdir: Path,
+    *,
+    steps: int,
+    pause: float,
+    nnodes: str,
+    args: list[str],
+    launcher: str = "ours",
+    in_place: bool = True,
+    env: dict[str, str] | None = None,
+) -> FaultJob:
+    """A c10d job of ``REGROUP_WORKER``s on every host of ``cluster`` (not started);
+    ``in_place=False`` runs it with ``elastic.train(..., regroup_in_place=False)``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return c10d_script_job(
+        cluster,
+        workdir,
+        REGROUP_WORKER,
+        [str(steps), str(pause), *([] if in_place else ["restart"])],
+        run_id="regroup",
+        nnodes=nnodes,
+        args=args,
+        launcher=launcher,
+        env=env,
+    )

@@ -1,0 +1,105 @@
+"""The in-place regroup hand-off through the control file, in one process: the agent's
+end (``ControlFile``) against the worker's (``elastic.training.regroup``), and the
+worker API outside ``elastic run``. The multi-host runs are in
+``tests/test_regroup_multihost.py``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from elastic.core.workers.control_file import (
+    BROKEN,
+    ENV_CONTROL,
+    ENV_CONTROL_SLOT,
+    HEADER,
+    SLOT,
+    STEP_US,
+    ControlFile,
+    round_path,
+    slot_offset,
+)
+from elastic.training import control, preemption, regroup
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlFile]:
+    """A 2-worker node's control file; this process is local rank 1's worker."""
+    file = ControlFile(2, directory=str(tmp_path))
+    monkeypatch.setenv(ENV_CONTROL, file.path)
+    monkeypatch.setenv(ENV_CONTROL_SLOT, "1")
+    preemption._reset_for_tests()
+    yield file
+    preemption._reset_for_tests()
+    file.close()
+
+
+def test_the_layout_is_one_definition() -> None:
+    assert HEADER.size == 3 * 8 and SLOT.size == 7 * 8
+    assert slot_offset(1) == HEADER.size + SLOT.size
+    assert STEP_US < SLOT.size // 8
+
+
+def test_outside_elastic_run_nothing_changes_and_regroup_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ENV_CONTROL, raising=False)
+    preemption._reset_for_tests()
+    assert regroup.membership_changed() is False
+    assert regroup.opt_in() is False
+    with pytest.raises(RuntimeError, match="needs a worker started by `elastic run`"):
+        regroup.regroup()
+    preemption._reset_for_tests()
+
+
+def test_capable_only_when_every_worker_said_so(node: ControlFile) -> None:
+    assert not node.all_capable()
+    assert regroup.membership_changed() is False  # the first call opts in
+    assert not node.all_capable()  # local rank 0 has not
+    control.reset_for_tests()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_CONTROL_SLOT, "0")
+        regroup.opt_in()
+    control.reset_for_tests()
+    assert node.all_capable()
+
+
+def test_a_request_and_a_round_reach_the_worker(node: ControlFile) -> None:
+    assert not regroup.membership_changed()
+    node.request_regroup()
+    assert regroup.membership_changed()
+    env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "29555"}
+    generation = node.hand_over({0: {"RANK": "2"}, 1: env})
+    assert generation == 1 and json.loads(Path(round_path(node.path)).read_text())
+    assert regroup._wait_for_round(0) == (1, env)
+    assert node.joined(1) == set()  # taken only once the worker says so (regroup does)
+
+
+def test_a_garbled_round_file_is_not_taken(node: ControlFile) -> None:
+    node.hand_over({1: {"RANK": "1"}})
+    path = Path(round_path(node.path))
+    for bad in ("{", '{"generation": 1, "ranks": {"1": {"RANK": 1}}}', '{"ranks": {}}', "[]"):
+        path.write_text(bad)
+        assert regroup._read_round(0) is None, bad
+    path.write_text(json.dumps({"generation": 1, "ranks": {"1": {"RANK": "1"}}}))
+    assert regroup._read_round(1) is None  # not newer than what the worker runs in
+    assert regroup._read_round(0) == (1, {"RANK": "1"})
+
+
+def test_a_broken_worker_asks_and_its_step_time_bounds_the_wait(node: ControlFile) -> None:
+    assert not node.broken()
+    regroup.note_step(0.25)
+    assert node.longest_step() == pytest.approx(0.25)
+    control.set_mine(BROKEN, 1)
+    assert node.broken()
+    node.hand_over({0: {}, 1: {}})
+    assert not node.broken()  # the round it waited for is out
+
+
+def test_close_removes_the_round_file_too(tmp_path: Path) -> None:
+    file = ControlFile(1, directory=str(tmp_path))
+    file.hand_over({0: {"RANK": "0"}})
+    file.close()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,124 @@
+"""Regrouping in place: the worker's side of a membership change without a restart.
+
+Under ``elastic run`` a worker that says it can (``opt_in``; ``elastic.train`` does, and so
+does the first call of ``membership_changed``) keeps running when a node leaves or joins.
+Its agent raises a regroup request in the node's control file; the worker sees it at a
+step boundary (``membership_changed``: one read of shared memory), and ``regroup`` then
+leaves the process group, waits for the agent's next round, takes its variables
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` ... all of torchrun's) into
+``os.environ`` and creates the default group again with the same backend. The ranks must
+agree on the step to stop at, so a script checks the flag through one all_reduce::
+
+    flag = torch.tensor([int(elastic.membership_changed())])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        world_size, rank = elastic.regroup()
+        ddp = DDP(model)  # DDP is bound to its group: build it again on the new one
+        # ... and give the new ranks the state (broadcast from the most tenured rank)
+
+A worker whose group broke under it (a peer died mid-collective) calls
+``regroup(broken=True)``: the agent, told through the control file, re-forms the job.
+The agent bounds everything: a worker that does not reach a boundary in time is stopped
+and the node restarts as before, so no wait here is unbounded either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from elastic.core.workers.control_file import (
+    BROKEN,
+    CAPABLE,
+    GENERATION_FIELD,
+    JOINED,
+    MAX_ROUND_FILE,
+    REGROUP_FIELD,
+    SAVED,
+    STEP_US,
+    round_path,
+)
+from elastic.training import control
+from elastic.training.dist import leave_group, rejoin_group
+from elastic.training.heartbeat import heartbeat
+
+# s a worker waits for its agent's next round: longer than the agent's own bound (its
+# rendezvous, join_timeout: 600 s by default); the agent stops the worker before that.
+ROUND_WAIT = 900.0
+_POLL = 0.005
+
+
+def opt_in() -> bool:
+    """Tell the agent this worker can regroup in place; False outside ``elastic run``."""
+    if not control.available():
+        return False
+    if not control.mine(CAPABLE):
+        control.set_mine(CAPABLE, 1)
+    return True
+
+
+def membership_changed() -> bool:
+    """True when the job asks its workers to regroup at this step boundary (a node left
+    or joins). Cheap: one read of shared memory; False outside ``elastic run``."""
+    if not opt_in():
+        return False
+    return control.header(REGROUP_FIELD) > control.mine(JOINED)
+
+
+def note_step(seconds: float) -> None:
+    """The last step's duration: the agent waits that long (and more) for a boundary."""
+    control.set_mine(STEP_US, int(seconds * 1e6))
+
+
+def regroup(*, broken: bool = False) -> tuple[int, int]:
+    """Leave the default process group, wait for the agent's next round, take its
+    variables into ``os.environ`` and create the default group again with the same
+    backend. Returns ``(world_size, rank)`` in the new round. ``broken``: the group
+    failed under this worker (a peer died), which asks the agent to re-form the job."""
+    if not opt_in():
+        raise RuntimeError("elastic.regroup() needs a worker started by `elastic run`")
+    joined = control.mine(JOINED)
+    if broken:
+        control.set_mine(BROKEN, joined + 1)
+    leave_group()
+    generation, env = _wait_for_round(joined)
+    os.environ.update(env)
+    control.set_mine(JOINED, generation)  # the agent's acknowledgement: we are joining
+    control.set_mine(BROKEN, 0)
+    control.set_mine(SAVED, 0)  # a save on notice belonged to the round that is gone
+    rejoin_group()
+    return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+
+
+def _wait_for_round(joined: int) -> tuple[int, dict[str, str]]:
+    deadline = time.monotonic() + ROUND_WAIT
+    beat = 0.0
+    while time.monotonic() < deadline:
+        if control.header(GENERATION_FIELD) > joined:
+            found = _read_round(joined)
+            if found is not None:
+                return found
+        now = time.monotonic()
+        if now >= beat:  # waiting for the round is not a stall
+            heartbeat()
+            beat = now + 1.0
+        time.sleep(_POLL)
+    raise RuntimeError(f"no new round from the agent within {ROUND_WAIT:g}s")
+
+
+def _read_round(joined: int) -> tuple[int, dict[str, str]] | None:
+    """This worker's variables in the round file, when it holds a round after ``joined``."""
+    try:
+        with open(round_path(control.path()), "rb") as f:
+            data = json.loads(f.read(MAX_ROUND_FILE + 1)[:MAX_ROUND_FILE])
+        generation = data["generation"]
+        env = data["ranks"][str(control.slot_index())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ok = isinstance(generation, int) and isinstance(env, dict)
+    if not ok or generation <= joined:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        return None
+    return generation, env
