@@ -639,3 +639,51 @@ def test_client_and_server_never_import_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+class _Signalled(Exception):
+    """What a signal handler raises in the middle of a request (the agent's Interrupted)."""
+
+
+@contextmanager
+def _raise_in(seconds: float) -> Iterator[None]:
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Signalled
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_interrupted_before_its_answer_never_answers_the_next(
+    server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    # A signal (SIGTERM to an agent coordinating a round) can raise between a request
+    # and its answer. Read by the next request, that answer would be taken for its own
+    # (here an ADD returned 1280 for 5): the client is done with, and a Connection makes
+    # a new one, so the departure an agent writes next reaches the store intact.
+    other = connect(server.port)
+    client = connect(server.port)
+    with pytest.raises(_Signalled), _raise_in(0.3):
+        client.get("late")  # parked in a WAIT when the signal comes
+    other.set("late", b"1")  # the server now answers the abandoned WAIT
+    time.sleep(0.2)
+    with pytest.raises(RendezvousConnectionError, match="interrupted"):
+        client.add("n", 5)
+    conn = Connection(HOST, server.port, timeout=10.0)
+    try:
+        with pytest.raises(_Signalled), _raise_in(0.3):
+            conn.call("get", "later")
+        other.set("later", b"1")
+        time.sleep(0.2)
+        assert conn.call("add", "n", 5) == 5
+        assert conn.call("get", "late") == b"1"
+    finally:
+        conn.close()

@@ -271,6 +271,11 @@ class TCPStoreClient:
         field = info[_TCPI_LAST_ACK_RECV : _TCPI_LAST_ACK_RECV + 4]
         return int.from_bytes(field, sys.byteorder) / 1000
 
+    @property
+    def broken(self) -> bool:
+        """A request of this client failed or was interrupted: no request can succeed."""
+        return self._dead is not None
+
     def close(self) -> None:
         """Idempotent; a call blocked in another thread fails at once."""
         if not self._closed:
@@ -327,6 +332,17 @@ class TCPStoreClient:
             self._dead = self._connection_error(exc, "lost the connection")
             self._drop_socket()
             raise self._dead from None
+        except _WaitExpired:
+            raise  # the caller cancels the WAIT, which keeps the stream in step
+        except BaseException:
+            # Raised between the request and the end of its answer (a signal's exception,
+            # Ctrl-C): the rest of that answer would be read as the next request's. The
+            # connection is out of step for good; ``Connection`` makes a new one.
+            self._dead = RendezvousConnectionError(
+                f"TCPStore {self.where}: a request was interrupted before its answer was read"
+            )
+            self._drop_socket()
+            raise
 
     def _drop_socket(self) -> None:
         try:

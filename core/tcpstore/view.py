@@ -88,6 +88,10 @@ class Connection:
     def _current(self) -> TCPStoreClient:
         with self._lock:
             self._raise_if_closed()
+            if self._client is not None and self._client.broken:
+                # Its last request was interrupted (a signal): a new connection, not an error.
+                self._client.close()
+                self._client = None
             if self._client is None:
                 self._client = TCPStoreClient(self.host, self.port, self.timeout, token=self.token)
             return self._client
