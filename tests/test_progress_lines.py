@@ -183,3 +183,29 @@ def test_a_standalone_node_prints_nothing_new(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "elastic:" not in out.stderr, out.stderr
+
+
+def test_the_coordinator_names_only_members_it_still_waits_for() -> None:
+    """A member of the last round known to have left (its ``lost`` entry, a heartbeat
+    that says so or stopped) is not "missing": the line names only those waited for."""
+    from elastic.core.rendezvous.round import records as R
+    from elastic.core.rendezvous.round.progress_lines import Forming, RoundProgress
+    from elastic.core.tcpstore import TCPStoreServer
+    from elastic.core.tcpstore.view import Connection, PrefixStore
+
+    server = TCPStoreServer("127.0.0.1", 0)
+    conn = Connection("127.0.0.1", server.port, timeout=5.0)
+    try:
+        store = PrefixStore(conn, "job/")
+        said: list[str] = []
+        lines = RoundProgress(said.append, 2, 5, time.monotonic() + 600)
+        lines.started -= 10  # past the first line's and the first record's delays
+        lines._next_line = 0.0
+        prev = R.Assignment(0, "formed", members=["a", "b", "c", "d"], hosts=list("ABCD"))
+        lines.coordinating(store, 1, [{"id": "a"}, {"id": "b"}], prev, {"a", "b", "c"})
+        assert said and "missing C (from the last round)" in said[-1], said
+        published = Forming.from_json(store.get(R.progress_key(1)))
+        assert published is not None and published.missing == ("C",)
+    finally:
+        conn.close()
+        server.close()

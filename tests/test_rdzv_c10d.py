@@ -518,6 +518,32 @@ def test_a_second_departure_during_the_regroup_is_not_waited_for(make: Make) -> 
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("how", ["crashed", "left unrecorded"])
+def test_a_member_gone_during_the_regroup_is_not_waited_for(make: Make, how: str) -> None:
+    """B dies while the survivors of A's departure regroup, and nobody lists it lost (a
+    crash while no round runs; a departure whose ``lost`` write failed): the coordinator
+    reads the heartbeats of the last round's members that are not back, and drops one
+    whose value says it left or has not changed for heartbeat_timeout (1.5 s here)
+    instead of waiting for the last call (30 s)."""
+    handlers = [make(2, 5, last_call_timeout="30") for _ in range(5)]
+    infos = rendezvous_all(handlers)
+    check_round(infos, 5)
+    a, b = [h for h in handlers if not h.is_hosting][:2]
+    rest = [h for h in handlers if h not in (a, b)]
+    started = time.monotonic()
+    a.leave()
+    if how == "crashed":
+        b._suspend_heartbeats()
+        kill_presence(b)
+    else:
+        b.rdzv_store.set(R.hb_key(b.node_id), R.LEFT)
+    with ThreadPoolExecutor(len(rest)) as pool:
+        again = [f.result(timeout=20) for f in [pool.submit(h.next_rendezvous) for h in rest]]
+    check_round(again, 3)
+    assert not {a.node_id, b.node_id} & set(again[0].members)
+    assert time.monotonic() - started < 1.5 + 5
+
+
 def test_a_joiner_that_leaves_before_the_round_forms_is_not_a_member(make: Make, port: int) -> None:
     """A newcomer joined the regroup, then left (its heartbeat says so) before the round
     formed: the round forms without it instead of with a member that is already gone."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ class RoundProgress:
         self.deadline = deadline
         self.started = time.monotonic()
         self._next_line = self.started + FIRST_LINE
-        self._published: tuple[int, frozenset[str]] | None = None
+        self._published: tuple[int, frozenset[str], frozenset[str]] | None = None
 
     def until_due(self) -> float:
         """Seconds until the next line is due (0 when it is)."""
@@ -157,12 +157,14 @@ class RoundProgress:
         rnd: int,
         joined: Sequence[Mapping[str, Any]],
         prev: R.Assignment | None,
+        expected: Set[str] = frozenset(),
     ) -> None:
         """The coordinator, each poll: publish who joined when it changed (after the
-        first ``PUBLISH_AFTER`` s), say a line when one is due. No store read."""
+        first ``PUBLISH_AFTER`` s), say a line when one is due. No store read. Missing
+        are the members of ``prev`` still ``expected`` (not known to have left)."""
         ids = frozenset(str(rec["id"]) for rec in joined)
         now = time.monotonic()
-        state = (rnd, ids)
+        state = (rnd, ids, frozenset(expected))
         publish = now - self.started >= PUBLISH_AFTER and state != self._published
         if not publish and now < self._next_line:
             return
@@ -170,7 +172,7 @@ class RoundProgress:
         count = 0
         if prev is not None:
             names = labels(prev.members, dict(zip(prev.members, prev.hosts, strict=False)))
-            gone = [names[m] for m in prev.members if m not in ids]
+            gone = [names[m] for m in prev.members if m in expected and m not in ids]
             missing, count = tuple(gone[:MAX_NAMES]), len(gone)
         forming = Forming(len(ids), self.min_nodes, self.max_nodes, missing, count)
         if publish:

@@ -30,7 +30,7 @@ from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.fingerprint import describe_differences, differences
 from elastic.core.rendezvous.net import free_port
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import note_event, read_lost
+from elastic.core.rendezvous.round.monitor import LivenessTracker, note_event, read_lost
 from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say
 from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.rendezvous.round.signing import wait_present
@@ -309,6 +309,17 @@ class RoundProtocol:
         beats = self.store.multi_get([R.hb_key(str(rec["id"])) for rec in joined])
         return [rec for rec, beat in zip(joined, beats, strict=True) if beat not in R.GONE]
 
+    def _gone(self, nodes: set[str], beats: LivenessTracker) -> set[str]:
+        """Which of ``nodes`` (last-round members not back yet) will not come: their
+        heartbeat says they left or finished, or has not changed for heartbeat_timeout
+        (the running round's liveness rule, ``LivenessTracker``; nobody else judges a
+        member while no round runs). One read, once a heartbeat interval."""
+        ids = sorted(nodes)
+        asked = time.monotonic()
+        values = self.store.multi_get([R.hb_key(node) for node in ids])
+        lost, done = beats.update(dict(zip(ids, values, strict=True)), asked, time.monotonic())
+        return set(lost) | set(done)
+
     def last_formed(self, rnd: int) -> R.Assignment | None:
         """The newest formed round at or before ``rnd`` (abandoned ones are skipped)."""
         for back in range(rnd, max(-1, rnd - 5), -1):
@@ -323,8 +334,13 @@ class RoundProtocol:
         # Survivors of the last round we are waiting for; once all are here there is
         # nobody known to wait for, so the last call is skipped (fast re-forming). A
         # member that departs meanwhile is added to the last round's lost list and bumps
-        # ``events``: the list is read again whenever ``events`` moved.
+        # ``events``: the list is read again whenever ``events`` moved. One that is gone
+        # without being listed (it died while no round ran, or its departure's write
+        # failed) is found by its heartbeat (``_gone``) during the last call.
         expected: set[str] = set(prev_members)
+        gone: set[str] = set()
+        beats = LivenessTracker(self.s.heartbeat_timeout, self.s.heartbeat_interval)
+        next_beats = 0.0
         joined: list[dict[str, Any]] = []
         seen, events, min_at, pause, clashed = 0, -1, None, 0.002, False
         while True:
@@ -334,7 +350,7 @@ class RoundProtocol:
             count, now_events = self._counters(rnd)  # one read: the slots and events
             if now_events != events and prev is not None:
                 events = now_events
-                expected = set(prev_members) - set(self.read_lost(prev.round))
+                expected = set(prev_members) - set(self.read_lost(prev.round)) - gone
             if count > seen:
                 joined += self._read_slots(rnd, seen + 1, count)
                 seen = count
@@ -346,11 +362,15 @@ class RoundProtocol:
                     "node (ids: %s)", rnd, len(joined) - len(ids), R.repeated_ids(joined)
                 )  # fmt: skip
             if self._lines is not None:
-                self._lines.coordinating(self.store, rnd, joined, prev)
+                self._lines.coordinating(self.store, rnd, joined, prev, expected)
             now = time.monotonic()
             ready = len(ids) >= self.s.max_nodes
             if len(ids) >= self.s.min_nodes:
                 min_at = now if min_at is None else min_at
+                if expected - ids and now >= next_beats:
+                    next_beats = now + self.s.heartbeat_interval
+                    gone |= self._gone(expected - ids, beats)
+                    expected -= gone
                 if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
                     ready = True
             if ready:
