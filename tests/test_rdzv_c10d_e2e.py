@@ -267,3 +267,51 @@ def test_forged_join_is_ignored_with_a_token(job) -> None:  # noqa: ANN001
     assert forger.wait(10) != 0
     assert "refused this node's token" in forger.text()
     finish(members, job.stop)
+
+
+FINISH_AT_CHANGE = """
+import os, sys, time
+import elastic, torch.distributed as dist
+elastic.init_process_group(backend="gloo")
+out = os.environ["OUT"]
+open(os.path.join(out, f"started-{os.environ['GROUP_RANK']}"), "w").close()
+while not elastic.membership_changed():
+    time.sleep(0.05)
+# The job's last step is the boundary that was to regroup it: it ends instead.
+open(os.path.join(out, "finished"), "w").close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_finish_instead_of_taking_the_new_round_end_the_joiner_too(
+    procs: Processes, port: int, tmp_path: Path
+) -> None:
+    """A node joins a running job whose workers regroup in place; they reach their last
+    step at the boundary meant to regroup them and exit 0 without taking the new round.
+    The joiner's new workers wait for a group that will not come: the kept node says the
+    job finished in that round, and both agents exit 0 at once (not after the joiner's
+    process-group timeout, nor the exit barrier's)."""
+    script = tmp_path / "finish.py"
+    script.write_text(FINISH_AT_CHANGE)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(tmp_path))
+
+    def agent() -> Agent:
+        return Agent(
+            procs.elastic(
+                "run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=finish", f"--rdzv-conf={CONF}",
+                "--monitor-interval=0.1", "--max-restarts=0", str(script),
+                env=env, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+
+    kept = agent()
+    assert wait_until(lambda: (tmp_path / "started-0").exists(), 60), kept.text()
+    joiner = agent()
+    assert wait_until(lambda: (tmp_path / "finished").exists(), 60), kept.text() + joiner.text()
+    ended = time.monotonic()
+    assert kept.wait(60) == 0, kept.text()
+    assert joiner.wait(60) == 0, joiner.text()
+    took = time.monotonic() - ended
+    assert took < 15, f"the agents exited {took:.1f}s after the job finished"
+    assert not (tmp_path / "started-1").exists(), "the joiner's worker joined a group"

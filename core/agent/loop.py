@@ -40,6 +40,7 @@ from elastic.core.agent.regroup import (
     announce_replaced,
     can_regroup,
     finished,
+    finished_untaken,
     hand_over,
     replaced_in,
     wait_ready,
@@ -341,6 +342,9 @@ class LocalElasticAgent(ElasticAgent):
         if wait_taken(
             control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
         ):
+            if finished_untaken(control, generation, self._workers):
+                announce_finished(info.store, info.round)  # as above, one step later
+                return self._succeeded(info)
             self._notify("elastic_workers_started", group=self._group)
             return info, True
         with contextlib.suppress(RendezvousError):

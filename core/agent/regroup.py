@@ -116,6 +116,16 @@ def finished(workers: Sequence[WorkerProcess], sleep: Callable[[float], None]) -
     return all(w.poll() == 0 for w in workers)
 
 
+def finished_untaken(
+    control: ControlFile, generation: int, workers: Sequence[WorkerProcess]
+) -> bool:
+    """Whether the workers all exited 0 without taking round ``generation``: the step
+    boundary meant to regroup them was their last (``elastic.train`` returns when the
+    ranks agree they are done, before it regroups), so they finished in the old round."""
+    taken = control.joined(generation)
+    return bool(workers) and all(w.poll() == 0 and w.local_rank not in taken for w in workers)
+
+
 def announce_finished(store: Store, round_: int) -> None:
     """Our kept workers finished the job in the last round while ``round_`` formed: its
     new workers wait for a group that will not come. Their agents' job watch reads this
