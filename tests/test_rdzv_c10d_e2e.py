@@ -298,10 +298,18 @@ def test_workers_that_finish_instead_of_taking_the_new_round_end_the_joiner_too(
     def agent() -> Agent:
         return Agent(
             procs.elastic(
-                "run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=finish", f"--rdzv-conf={CONF}",
-                "--monitor-interval=0.1", "--max-restarts=0", str(script),
-                env=env, stderr=subprocess.STDOUT,
+                "run",
+                "--nnodes=1:2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=finish",
+                f"--rdzv-conf={CONF}",
+                "--monitor-interval=0.1",
+                "--max-restarts=0",
+                str(script),
+                env=env,
+                stderr=subprocess.STDOUT,
             )  # fmt: skip
         )
 
