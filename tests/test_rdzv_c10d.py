@@ -668,3 +668,39 @@ def test_a_joiner_finds_the_moved_store_at_another_candidate_endpoint(port: int)
         for h in (late, first, second):
             if h is not None:
                 h.shutdown()
+
+
+@pytest.mark.parametrize("fails_at", [1, 2, 3])
+def test_a_handler_that_cannot_be_made_closes_what_it_opened(port: int, fails_at: int) -> None:
+    """``open_round_handler`` (the etcd backends'): the job's store does not answer, or
+    Ctrl-C comes while the monitor's or the keep-alives' connection is made; every
+    connection made before that is closed, none is left open."""
+    from elastic.core.rendezvous.round.handler import open_round_handler
+    from elastic.core.rendezvous.round.settings import parse_round_settings
+    from elastic.core.tcpstore import TCPStoreServer
+    from elastic.core.tcpstore.view import Connection, PrefixStore
+
+    server = TCPStoreServer("127.0.0.1", port)
+    params = RendezvousParameters("etcd-v3", f"127.0.0.1:{port}", "job", 1, 1)
+    made: list[Connection] = []
+
+    def connect() -> PrefixStore:
+        if len(made) + 1 == fails_at and fails_at > 1:
+            raise KeyboardInterrupt
+        made.append(Connection("127.0.0.1", port, timeout=5.0))
+        return PrefixStore(made[-1], "elastic/job/")
+
+    def reach(store: PrefixStore) -> str:
+        if fails_at == 1:
+            raise RendezvousConnectionError("the store does not answer")
+        store.check(["rdzv/round"])
+        return "127.0.0.1"
+
+    try:
+        error = RendezvousConnectionError if fails_at == 1 else KeyboardInterrupt
+        with pytest.raises(error):
+            open_round_handler(params, parse_round_settings(params, ()), "test", connect, reach)
+        assert len(made) == max(1, fails_at - 1)
+        assert all(conn._closed for conn in made)
+    finally:
+        server.close()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.rendezvous import net
-from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
+from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
 from elastic.plugins.rdzv_etcd.client import CONNECTION_KEYS, check_reachable, client_from_params
 from elastic.plugins.rdzv_etcd.store import EtcdStore
@@ -58,28 +58,12 @@ class V2Backend:
             client = client_from_params(params, ca_key=ca, cert_key=cert, key_key=key)
             return EtcdStore(client, directory, heartbeat_ttl=ttl)
 
-        job_store = store()
-        monitor_store = lease_store = None
-        try:  # whatever stops us here (etcd unreachable, Ctrl-C) closes what was opened
+        def reach(job_store: EtcdStore) -> str:
             check_reachable(job_store.client)
             host, port = job_store.client.members[0]
-            if not params.read_only:
-                monitor_store = store()  # the monitor thread's own connection
-                lease_store = store()  # the keep-alives' own
-            return RoundRendezvousHandler(
-                params,
-                settings,
-                self.name,
-                job_store,
-                monitor_store,
-                params.local_addr or net.route_address(host, port),
-                lease_store=lease_store,
-            )
-        except BaseException:
-            for opened in (job_store, monitor_store, lease_store):
-                if opened is not None:
-                    opened.close()
-            raise
+            return params.local_addr or net.route_address(host, port)
+
+        return open_round_handler(params, settings, self.name, store, reach)
 
 
 __all__ = ["V2Backend"]

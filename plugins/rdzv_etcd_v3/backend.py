@@ -11,9 +11,10 @@ needs neither etcd's v2 API (off by default in 3.4/3.5, removed in 3.6) nor gRPC
 
 from __future__ import annotations
 
+from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.rendezvous import net
-from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
+from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
 
 DEFAULT_PREFIX = "/elastic/rdzv-v3"
@@ -30,33 +31,24 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # The lease only cleans up after a dead node; staleness of the heartbeat value is what
     # finds it within heartbeat_timeout, so a slow keep-alive is never mistaken for death.
     ttl = 2 * settings.heartbeat_timeout
-    job_store = store_from_params(params, prefix, ttl)
-    monitor_store = lease_store = None
-    try:  # whatever stops us here (etcd unreachable, Ctrl-C) closes what was opened
-        job_store.check(["rdzv/round"])  # reach etcd now: one line if it cannot be reached
-        # The monitor thread's own store. etcd holds a write proposed just before its
-        # leader died until its own request timeout (~6 s), though the new leader is
-        # elected in about a second: a tick waiting that long would fence every healthy
-        # node when one etcd member of three is lost. So each of its requests gives up on
-        # a member after a third of heartbeat_timeout (at least 1 s) and is retried on the
-        # next one.
-        attempt = max(1.0, settings.heartbeat_timeout / 3)
-        if not params.read_only:
-            monitor_store = store_from_params(params, prefix, ttl, attempt)
-            # The keep-alives' own connections and lease (``core/rendezvous/round/lease.py``).
-            lease_store = store_from_params(params, prefix, ttl, attempt)
+    # The monitor thread's and the keep-alives' own stores (``lease.py``). etcd holds a
+    # write proposed just before its leader died until its own request timeout (~6 s),
+    # though the new leader is elected in about a second: a tick waiting that long would
+    # fence every healthy node when one etcd member of three is lost. So each of their
+    # requests gives up on a member after a third of heartbeat_timeout (at least 1 s) and
+    # is retried on the next one.
+    attempt = max(1.0, settings.heartbeat_timeout / 3)
+
+    def reach(job_store: CoordinationStore) -> str:
+        job_store.check(["rdzv/round"])  # one line now if etcd cannot be reached
         host, port = parse_endpoints(params.endpoint or "127.0.0.1")[0]
-        return RoundRendezvousHandler(
-            params,
-            settings,
-            "etcd-v3",
-            job_store,
-            monitor_store,
-            params.local_addr or net.route_address(host, port),
-            lease_store=lease_store,
-        )
-    except BaseException:
-        for store in (job_store, monitor_store, lease_store):
-            if store is not None:
-                store.close()
-        raise
+        return params.local_addr or net.route_address(host, port)
+
+    return open_round_handler(
+        params,
+        settings,
+        "etcd-v3",
+        lambda: store_from_params(params, prefix, ttl),
+        reach,
+        lambda: store_from_params(params, prefix, ttl, attempt),
+    )

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import (
@@ -38,6 +39,8 @@ from elastic.core.rendezvous.round.signing import SignedStore
 from elastic.core.rendezvous.round.status import describe
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=CoordinationStore)
 
 RETRY_PAUSE = 1.0  # s between attempts to reach an unreachable store while (re)joining
 
@@ -310,3 +313,38 @@ class RoundRendezvousHandler(RendezvousHandler):
     def _suspend_heartbeats(self) -> None:
         if self._monitor is not None:
             self._monitor.suspend_heartbeats()
+
+
+def open_round_handler(
+    params: RendezvousParameters,
+    settings: RoundSettings,
+    backend: str,
+    connect: Callable[[], S],
+    reach: Callable[[S], str],
+    connect_thread: Callable[[], S] | None = None,
+) -> RoundRendezvousHandler:
+    """A round handler on connections of its own: the job's (``connect``; ``reach``
+    checks that it answers, so an unreachable store is one line now, and returns this
+    node's address toward it) and, unless read-only, the monitor thread's and the
+    keep-alives' (``connect_thread``, default ``connect``). Whatever stops this (a store
+    that cannot be reached, Ctrl-C) closes what was opened."""
+    opened: list[S] = []
+
+    def new(make: Callable[[], S]) -> S:
+        opened.append(make())
+        return opened[-1]
+
+    try:
+        job_store = new(connect)
+        addr = reach(job_store)
+        monitor_store = lease_store = None
+        if not params.read_only:
+            monitor_store = new(connect_thread or connect)
+            lease_store = new(connect_thread or connect)
+        return RoundRendezvousHandler(
+            params, settings, backend, job_store, monitor_store, addr, lease_store=lease_store
+        )
+    except BaseException:
+        for store in opened:
+            store.close()
+        raise
