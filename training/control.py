@@ -15,6 +15,7 @@ from elastic.core.workers.control_file import (
     field_offset,
     slot_offset,
 )
+from elastic.training.agent_file import map_from_env
 
 _WORD = struct.Struct("<Q")
 
@@ -25,19 +26,12 @@ _off = False
 
 def _open() -> bool:
     global _map, _slot, _off
-    path = os.environ.get(ENV_CONTROL)
     try:
-        if not path:
-            raise OSError("not under elastic run")
+        _map = map_from_env(ENV_CONTROL)
         local_rank = slot_index()
-        fd = os.open(path, os.O_RDWR)
-        try:
-            _map = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
         _slot = slot_offset(local_rank)
         if _slot + SLOT.size > len(_map):
-            raise ValueError(f"LOCAL_RANK {local_rank} has no slot in {path}")
+            raise ValueError(f"LOCAL_RANK {local_rank} has no slot in the control file")
     except (OSError, ValueError):
         _off = True
         return False

@@ -11,10 +11,10 @@ has called it by its heartbeats alone (``elastic.core.watchdog.beats``).
 from __future__ import annotations
 
 import mmap
-import os
 import time
 
 from elastic.core.watchdog.beats import ENV_PROGRESS, LAYOUT
+from elastic.training.agent_file import map_from_env
 
 _pack = LAYOUT.pack_into
 _now = time.time
@@ -26,15 +26,8 @@ _off = False
 def _open() -> bool:
     """Map the agent's file; False (and a no-op from then on) when there is none."""
     global _map, _count, _off
-    path = os.environ.get(ENV_PROGRESS)
     try:
-        if not path:
-            raise OSError("not under elastic run")
-        fd = os.open(path, os.O_RDWR)
-        try:
-            _map = mmap.mmap(fd, LAYOUT.size)
-        finally:
-            os.close(fd)
+        _map = map_from_env(ENV_PROGRESS, LAYOUT.size)
     except (OSError, ValueError):
         _off = True
         return False
