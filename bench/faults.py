@@ -56,13 +56,16 @@ FAULTS = {
     "store-sigterm": "the c10d store's host preempted (SIGTERM to node 0's agent)",
     "store-sigkill": "the c10d store's host crashed (node 0 SIGKILLed)",
     "two-sigterm": "two of 4 nodes preempted 0.5 s apart",
+    "term-kill": "one of 4 preempted, another crashed 0.5 s later (last call 30 s)",
 }
+# Faults whose point is what the last call costs: run at the default (30 s), not 1 s.
+DEFAULT_LAST_CALL = {"term-kill"}
 FORM_TIMEOUT = 120.0
 
 
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
-    size = 4 if fault == "two-sigterm" else 3
+    size = 4 if fault in ("two-sigterm", "term-kill") else 3
     with Cluster(size if backend == "c10d" else size + 1) as cluster:
         nodes, endpoint = serve_rendezvous(cluster, backend, workdir, size)
         job = FaultJob(
@@ -72,7 +75,7 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
             endpoint,
             launcher=launcher,
             nnodes=f"2:{size}",
-            conf={"last_call_timeout": 1},
+            conf={"last_call_timeout": 30 if fault in DEFAULT_LAST_CALL else 1},
             args=["--max-restarts=3"],
             gloo=True,
             env={"RES_OPTIONS": "timeout:1 attempts:1"},
@@ -82,7 +85,12 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
         # Let gloo connect and a few collectives finish before the fault.
         wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
         time.sleep(2.0)
-        victims = {"store-sigterm": [0], "store-sigkill": [0], "two-sigterm": [2, 3]}
+        victims = {
+            "store-sigterm": [0],
+            "store-sigkill": [0],
+            "two-sigterm": [2, 3],
+            "term-kill": [2, 3],
+        }
         gone = [nodes[i] for i in victims.get(fault, [2])]
         survivors = [h for h in nodes if h not in gone]
         at = time.time()
@@ -93,6 +101,10 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
                 os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
         elif fault in ("sigkill", "store-sigkill"):
             gone[0].kill()
+        elif fault == "term-kill":  # the crash lands while the survivors regroup
+            os.kill(job.nodes[gone[0].name].proc.pid, signal.SIGTERM)
+            time.sleep(0.5)
+            gone[1].kill()
         else:
             cluster.cut(gone[0])
         agents = [job.nodes[h.name].proc for h in survivors]
