@@ -497,15 +497,20 @@ def test_describe_from_a_read_only_handler(make: Make, port: int) -> None:
         viewer.next_rendezvous()
 
 
+def two_of_five(make: Make) -> tuple[Any, Any, list[Any]]:
+    """A formed 5-node round (``2:5``, a 30 s last call): two members that do not host
+    the store, to take away, and the other three."""
+    handlers = [make(2, 5, last_call_timeout="30") for _ in range(5)]
+    check_round(rendezvous_all(handlers), 5)
+    a, b = [h for h in handlers if not h.is_hosting][:2]
+    return a, b, [h for h in handlers if h not in (a, b)]
+
+
 def test_a_second_departure_during_the_regroup_is_not_waited_for(make: Make) -> None:
     """B leaves while the survivors of A's departure regroup: the coordinator reads the
     last round's lost list again when ``events`` moves, so nobody waits for B's last
     call (30 s here)."""
-    handlers = [make(2, 5, last_call_timeout="30") for _ in range(5)]
-    infos = rendezvous_all(handlers)
-    check_round(infos, 5)
-    a, b = [h for h in handlers if not h.is_hosting][:2]
-    rest = [h for h in handlers if h not in (a, b)]
+    a, b, rest = two_of_five(make)
     started = time.monotonic()
     a.leave()
     with ThreadPoolExecutor(len(rest)) as pool:
@@ -525,11 +530,7 @@ def test_a_member_gone_during_the_regroup_is_not_waited_for(make: Make, how: str
     reads the heartbeats of the last round's members that are not back, and drops one
     whose value says it left or has not changed for heartbeat_timeout (1.5 s here)
     instead of waiting for the last call (30 s)."""
-    handlers = [make(2, 5, last_call_timeout="30") for _ in range(5)]
-    infos = rendezvous_all(handlers)
-    check_round(infos, 5)
-    a, b = [h for h in handlers if not h.is_hosting][:2]
-    rest = [h for h in handlers if h not in (a, b)]
+    a, b, rest = two_of_five(make)
     started = time.monotonic()
     a.leave()
     if how == "crashed":
