@@ -48,10 +48,12 @@ from typing import Any
 
 from elastic.testing.benchmarking import (
     add_report_options,
+    command_line,
     commit,
     in_scratch_dir,
     spread,
     wait_for_quiet,
+    write_runs_report,
 )
 from elastic.testing.cluster import Cluster, cluster_available
 from elastic.testing.preemption_job import last_step, preempt_job, read_events
@@ -223,17 +225,14 @@ def main() -> None:
             f"to the survivors' new workers {ratios['workers_s']}"
         )
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "commit": commit(),
         "quiet_wait": quiet,
         "loadavg_1m_before_after": [round(load_before, 2), round(load_after, 2)],
         "summary": summary,
         "ratios_ours_over_torchrun": ratios,
-        "runs": [{k: v for k, v in r.items() if k != "logs"} for r in results],
     }
-    print(json.dumps(report, indent=1))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps({**report, "runs": results}, indent=1))
+    write_runs_report(report, results, args.json_path)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Needs root (network namespaces); without it, one line and exit 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -43,10 +42,12 @@ from typing import Any
 
 from elastic.testing.benchmarking import (
     add_report_options,
+    command_line,
     commit,
     in_scratch_dir,
     spread,
     wait_for_quiet,
+    write_runs_report,
 )
 from elastic.testing.cluster import Cluster, cluster_available
 from elastic.testing.preemption_job import read_events
@@ -221,17 +222,14 @@ def main() -> None:
         for key, ratio in ratios.items():
             print(f"  {key}: {ratio}")
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "commit": commit(),
         "quiet_wait": quiet,
         "loadavg_1m_before_after": [round(load_before, 2), round(load_after, 2)],
         "summary": summary,
         "ratios_ours_in_place_over": ratios,
-        "runs": [{k: v for k, v in r.items() if k != "logs"} for r in results],
     }
-    print(json.dumps(report, indent=1))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps({**report, "runs": results}, indent=1))
+    write_runs_report(report, results, args.json_path)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ def write_report(report: dict[str, Any], json_path: str | None) -> None:
         Path(json_path).write_text(text + "\n")
 
 
+def write_runs_report(
+    report: dict[str, Any], runs: list[dict[str, Any]], json_path: str | None
+) -> None:
+    """Print ``report`` with its ``runs`` less their logs; write it to ``json_path``, when
+    given, with the logs (a fault bench keeps every node's output there)."""
+    quiet = [{k: v for k, v in r.items() if k != "logs"} for r in runs]
+    print(json.dumps({**report, "runs": quiet}, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps({**report, "runs": runs}, indent=1))
+
+
 def add_report_options(parser: argparse.ArgumentParser) -> None:
     """``--json`` and ``--keep-resolver``, the options every side-by-side bench takes."""
     parser.add_argument("--json", dest="json_path", help="also write the JSON here")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 from elastic.core.interfaces.spec import WorkerSpec
+from elastic.core.tcpstore import wire
 from elastic.testing.cluster import cluster_factory  # noqa: F401  (the fixture, for every test)
 from elastic.testing.ports import free_port
 from elastic.testing.waits import wait_until  # noqa: F401  (for the test modules)
@@ -143,3 +145,16 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+def raw(port: int) -> socket.socket:
+    """A bare connection to a loopback store server (for misbehaving-peer tests)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def handshaken(port: int) -> socket.socket:
+    """A bare connection past TCPStore's ping handshake."""
+    sock = raw(port)
+    sock.sendall(wire.handshake(7))
+    assert sock.recv(4) == wire.U32.pack(7)
+    return sock

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, handshaken, raw
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
@@ -399,17 +399,6 @@ def test_a_request_in_many_pieces_is_parsed_once() -> None:
 
 
 # --- misbehaving peers ----------------------------------------------------------------------
-
-
-def raw(port: int) -> socket.socket:
-    return socket.create_connection((HOST, port), timeout=10)
-
-
-def handshaken(port: int) -> socket.socket:
-    sock = raw(port)
-    sock.sendall(wire.handshake(7))
-    assert sock.recv(4) == wire.U32.pack(7)
-    return sock
 
 
 def responsive(client: TCPStoreClient, within: float = 3.0) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from conftest import REPO
+from conftest import REPO, handshaken, raw
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
@@ -44,17 +44,6 @@ def clients() -> Iterator[list[TCPStoreClient]]:
     yield made
     for client in made:
         client.close()
-
-
-def raw(port: int) -> socket.socket:
-    return socket.create_connection((HOST, port), timeout=10)
-
-
-def handshaken(port: int) -> socket.socket:
-    sock = raw(port)
-    sock.sendall(wire.handshake(7))
-    assert sock.recv(4) == wire.U32.pack(7)
-    return sock
 
 
 def closed_by_server(sock: socket.socket, within: float = 10.0) -> bytes:
