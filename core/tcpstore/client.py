@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -101,6 +102,7 @@ class TCPStoreClient:
         self.where = f"{host}:{port}"
         self._lock = threading.Lock()
         self._rbuf = bytearray()
+        self._bounds: dict[int, int] = {}  # SO_RCVTIMEO / SO_SNDTIMEO as set, in µs
         self._dead: RendezvousConnectionError | None = None
         self._closed = False
         limit = timeout if connect_timeout is None else connect_timeout
@@ -135,6 +137,10 @@ class TCPStoreClient:
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keep_alive(self._sock)
+            # Blocking, with the kernel's timeouts (``_bound``): a Python timeout makes
+            # every recv a poll() and a recv, each giving up the GIL, which a thousand
+            # clients in one process (the scale bench, a test) pay on every round trip.
+            self._sock.settimeout(None)
             with self._lock:
                 answer = self._roundtrip(
                     wire.handshake(nonce), lambda _: self._u32(handshake_deadline)
@@ -325,8 +331,8 @@ class TCPStoreClient:
             raise type(self._dead)(str(self._dead))
         deadline = time.monotonic() + self.timeout
         try:
-            self._sock.settimeout(self.timeout)
-            self._sock.sendall(payload)  # the timeout bounds the whole sendall
+            self._bound(self.timeout, socket.SO_SNDTIMEO)
+            self._sock.sendall(payload)  # the timeout bounds each send of it
             return read(deadline) if read is not None else None  # type: ignore[return-value]
         except (OSError, _EOF) as exc:
             self._dead = self._connection_error(exc, "lost the connection")
@@ -361,7 +367,7 @@ class TCPStoreClient:
             return RendezvousStoreGoneError(
                 f"TCPStore {self.where}: {what}: the server closed the connection"
             )
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_*TIMEO
             return RendezvousConnectionError(
                 f"TCPStore {self.where}: {what}: no answer in "
                 f"{self.timeout if seconds is None else seconds:.1f}s"
@@ -379,9 +385,9 @@ class TCPStoreClient:
             try:
                 if remaining <= 0:
                     raise TimeoutError(errno.ETIMEDOUT, "timed out")
-                self._sock.settimeout(remaining)
+                self._bound(remaining, socket.SO_RCVTIMEO)
                 chunk = self._sock.recv(min(max(65536, n - len(self._rbuf)), _MAX_RECV))
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # the kernel's timeout is EAGAIN
                 if wait:
                     raise _WaitExpired from None
                 raise
@@ -391,6 +397,16 @@ class TCPStoreClient:
         data = bytes(self._rbuf[:n])
         del self._rbuf[:n]
         return data
+
+    def _bound(self, seconds: float, option: int) -> None:
+        """The kernel's timeout for the next recv or send: at least a millisecond (a
+        zero ``timeval`` means none). Set only when it changes (one syscall less)."""
+        usec = max(1000, int(seconds * 1_000_000))
+        if self._bounds.get(option) != usec:
+            self._sock.setsockopt(
+                socket.SOL_SOCKET, option, struct.pack("ll", *divmod(usec, 1_000_000))
+            )
+            self._bounds[option] = usec
 
     def _u8(self, deadline: float, wait: bool = False) -> int:
         return self._read(1, deadline, wait)[0]

@@ -105,21 +105,28 @@ class Lease:
         self._seq = 0
         self._acked_sent: float | None = None  # send time of the newest acknowledged one
         self._in_flight: float | None = None  # send time of the one awaiting its answer
+        self._last_sent: float | None = None  # send time of the newest one, answered or not
+        self._urgent = False  # send the next one at once (a wait in jeopardy goes on)
         self._armed = False  # judged only while this node is a member of a round
         self._expired: Expiry | None = None
         self._beating = True
-        self._quiet = False
+        # Quiet until the node is a member of a round (``arm``) or coordinates one: until
+        # then nobody reads its heartbeat.
+        self._quiet = True
         self._slow_noted = False  # said once per episode that the store is only slow
         self.error: Exception | None = None  # final: the store is gone or corrupt
         self._thread: threading.Thread | None = None
 
     # -- control --------------------------------------------------------------------
     def start(self, name: str) -> None:
-        """One keep-alive now (the key exists before this node joins), then the keep-alive
-        thread and the judge."""
+        """The keep-alive thread and the judge. The first keep-alive goes out a period
+        from now, or when a round forms (``arm``), whichever is first: a node that joins
+        at once and waits quietly sends one keep-alive to form a round, not three (a
+        thousand nodes joining at once are a thousand round trips fewer each time)."""
         if self._thread is not None:
             return
-        self.renew()
+        with self._lock:
+            self._last_sent = time.monotonic()  # due a period from now
         # A store that cannot tell a slow store from a gone one (no ``peer_silence`` on a
         # connection in use: etcd) has no jeopardy, so it gets keep-alives twice as
         # often: a pause up to the lease minus half an interval (3.5 s by default)
@@ -142,8 +149,8 @@ class Lease:
         self._beating = False
 
     def set_quiet(self, quiet: bool) -> None:
-        """No keep-alives while quiet (a node waiting for a round to form); the first
-        one goes out as soon as that ends."""
+        """No keep-alives while quiet (a node waiting for a round to form, or one that
+        never was a member); once that ends the next goes out a period after the last."""
         self._quiet = quiet
         if not quiet:
             self._wake_keeper.set()
@@ -151,7 +158,8 @@ class Lease:
     def arm(self, member: bool) -> None:
         """A round with this node in it formed (``member``), or none is running. A new
         round starts unfenced; a lease gone stale while this node waited quietly for
-        the round is renewed first, so the round does not start fenced."""
+        the round is renewed first, so the round does not start fenced; the keep-alives
+        go on from there, a period after that one."""
         with self._lock:
             self._expired = None
             self._armed = False
@@ -163,6 +171,8 @@ class Lease:
                 pass  # not renewed: the judge fences once the old lease is over
         with self._lock:
             self._armed = member
+        if member:
+            self.set_quiet(False)
         JUDGES.wake(self)
 
     # -- what the round reads ---------------------------------------------------------
@@ -180,6 +190,7 @@ class Lease:
                 return
             self._seq += 1
             value = f"{self._seq} {time.time():.3f}"
+            self._last_sent, self._urgent = sent, False
             if self._in_flight is None:
                 self._in_flight = sent
         try:
@@ -198,23 +209,33 @@ class Lease:
             if self._expired is None and self._armed and self._left(now) < 0:
                 # Answered after a wait in jeopardy, too late to renew the lease: the next
                 # keep-alive goes out at once and carries the wait on.
-                self._in_flight = now
+                self._in_flight, self._urgent = now, True
                 self._wake_keeper.set()
             else:
                 self._in_flight = None
                 self._slow_noted = False
 
+    def _next_due(self) -> float:
+        """When the next keep-alive is due: a period after the last one was *sent* (after
+        an answer that took long, a paused store, the next goes out at once, while the
+        lease it extended is new). Caller holds the lock."""
+        if self._urgent or self._last_sent is None:
+            return time.monotonic()
+        return self._last_sent + self.period
+
     def _keep(self) -> None:
-        due = time.monotonic() + self.period
         while not self._stop.is_set():
-            self._wake_keeper.wait(max(0.0, due - time.monotonic()))
+            with self._lock:
+                due = self._next_due()
+            idle = not self._beating or self._quiet  # until set_quiet(False) wakes us
+            self._wake_keeper.wait(None if idle else max(0.0, due - time.monotonic()))
             self._wake_keeper.clear()
             if self._stop.is_set():
                 return
-            # A period after the last one was *sent*: after an answer that took long (a
-            # paused store) the next goes out at once, while the lease it extended is new.
-            due = time.monotonic() + self.period
-            if not self._beating or self._quiet:
+            with self._lock:
+                due = self._next_due()
+            # Woken early (quiet ended right after ``arm`` renewed): nothing is due yet.
+            if not self._beating or self._quiet or time.monotonic() < due:
                 continue
             try:
                 self.renew()

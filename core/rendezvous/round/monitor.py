@@ -202,7 +202,6 @@ class Monitor:
     def start(self) -> None:
         if self._thread is not None:
             return
-        # The heartbeat key exists before we join, so a coordinator can read it at once.
         self.lease.start(self.node_id)
         self._thread = threading.Thread(
             target=self._run, name=f"rdzv-monitor-{self.node_id}", daemon=True
@@ -247,8 +246,12 @@ class Monitor:
             # A member connects to rank 0's presence port on its first tick in the round,
             # not here: a round's forming is not held up by N connections made at once.
             self._connect_in = asg if rank and asg is not None and asg.presence_port else None
+            # The old round's connection goes in the same step: a tick that runs from here
+            # on makes the new round's, which nothing may stop.
+            old, self._client = self._client, None
+        if old is not None:
+            old.stop()
         self.lease.arm(asg is not None)
-        self._stop_client()
         if rank == 0 and asg is not None and self._presence is not None:
             self._presence.watch(m for m in asg.members if m != self.node_id)
 
@@ -359,24 +362,27 @@ class Monitor:
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
         targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
-        keys = [RDZV + R.EVENTS] + [RDZV + R.hb_key(m) for m in targets] + job_keys
+        with self._lock:
+            closed, waiting, seen = self.closed, self.waiting, self._events_seen
+        # The round's facts are read again when the events count moved; on a round's
+        # first tick they are read along, so a round starts with one request per node.
+        facts = [R.CLOSED, R.count_key(asg.round + 1), R.lost_key(asg.round), R.REFUSED_COUNT]
+        eager = facts if seen is None else []
+        hb_keys = [R.hb_key(m) for m in targets]
+        keys = [RDZV + k for k in (R.EVENTS, *hb_keys, *eager)] + job_keys
         asked = time.monotonic()
         # read_values: a value not signed with the job token is None (signing.py).
         values = read_values(self.job_store, keys)
         answered = time.monotonic()
         raw_events, beats = values[0], values[1 : 1 + len(targets)]
+        after_beats = 1 + len(targets) + len(eager)
         if not raw_events:
             self.store.compare_set(R.EVENTS, "", "0")  # create it: later reads find every key
         # Only a hint: a value that is no counter (anyone may write one) means "re-read".
         events = parse_counter(raw_events or b"")
-        with self._lock:
-            closed, waiting, seen = self.closed, self.waiting, self._events_seen
         if events is None or events != seen:
-            closed = self.store.check([R.CLOSED])
-            # A count that is no counter (written by anyone) is nobody waiting.
-            waiting = parse_counter(self.store.multi_get([R.count_key(asg.round + 1)])[0]) or 0
-            self._published = read_lost(self.store, asg.round)
-            self._log_refused()
+            read = values[1 + len(targets) : after_beats] if eager else None
+            closed, waiting = self._read_facts(asg, facts, read)
         # A foreign heartbeat value (None) is no news: never "left", never "vanished".
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
         lost = self._check_members(asg, beat_of, asked, answered)
@@ -385,11 +391,29 @@ class Monitor:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
             if job_keys == self._job_keys:  # not changed meanwhile
-                self._job_values = [v or b"" for v in values[1 + len(targets) :]]
+                self._job_values = [v or b"" for v in values[after_beats:]]
 
-    def _log_refused(self) -> None:
+    def _read_facts(
+        self, asg: R.Assignment, facts: list[str], read: list[bytes | None] | None
+    ) -> tuple[bool, int]:
+        """(closed, nodes waiting for the next round) from the round's facts (``read``,
+        or one read of them now); notes the published lost list and refused nodes."""
+        raw_closed, raw_waiting, raw_lost, raw_refused = (
+            read if read is not None else read_values(self.store, facts)
+        )
+        # A value not signed for this job (None) is absent; a count that is no counter
+        # (anyone may write one) is nobody waiting.
+        lost = R.loads(raw_lost, self.store.prefix + facts[2]) if raw_lost else []
+        if not isinstance(lost, list):
+            raise RendezvousStateError(
+                f"rendezvous state key {self.store.prefix + facts[2]!r} is not a list"
+            )
+        self._published = [str(node) for node in lost]
+        self._log_refused(parse_counter(raw_refused or b"") or 0)
+        return bool(raw_closed), parse_counter(raw_waiting or b"") or 0
+
+    def _log_refused(self, count: int) -> None:
         """One line per node the job turned away (its fingerprint differed)."""
-        count = parse_counter(self.store.multi_get([R.REFUSED_COUNT])[0]) or 0
         for index in range(self._refused_seen + 1, count + 1):
             key = R.refused_key(index)
             if not self.store.check([key]):

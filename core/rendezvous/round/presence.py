@@ -263,8 +263,13 @@ class PresenceClient:
         sock = self._connect()
         if sock is None:
             return  # rank 0 never listened (an older agent): the heartbeats still count
-        while not self._stop.is_set():
+        while True:
             self._sock = sock
+            if self._stop.is_set():  # stopped while connecting: goodbye, then close
+                with contextlib.suppress(OSError):
+                    sock.sendall(BYE)
+                sock.close()
+                return
             try:
                 data = sock.recv(64)
             except OSError:

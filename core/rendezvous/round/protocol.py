@@ -74,9 +74,14 @@ class RoundProtocol:
         return self.store.prefix + key
 
     def current_round(self) -> int:
-        raw = self.store.compare_set(R.ROUND, "", "0")  # creates it at 0, or reads it
+        (raw,) = self.store.multi_get([R.ROUND])
+        return self._round_number(raw)
+
+    def _round_number(self, raw: bytes) -> int:
+        """The round key's value as a round: absent is round 0 (its first node writes
+        it, ``_join``); never below the newest round this node joined."""
         try:
-            rnd = int(raw)
+            rnd = int(raw) if raw else 0
         except ValueError:
             raise RendezvousStateError(
                 f"rendezvous state key {self.full(R.ROUND)!r} is not a round number: "
@@ -88,6 +93,21 @@ class RoundProtocol:
             self.store.compare_set(R.ROUND, raw, str(self._joined))
             return self._joined
         return rnd
+
+    def _round_state(self) -> tuple[int, bytes, R.Assignment | None]:
+        """(the current round, the round key as read, that round's outcome or None),
+        having raised if the job is closed: one read when the round is the newest this
+        node joined (or 0), which it is when a round forms or re-forms."""
+        guess = max(self._joined, 0)
+        keys = [R.CLOSED, R.ROUND, R.assignment_key(guess)]
+        raw_closed, raw_round, raw_asg = self.store.multi_get(keys)
+        if raw_closed:
+            self._raise_closed(raw_closed)
+        rnd = self._round_number(raw_round)
+        if rnd != guess:
+            return rnd, raw_round, self.read_assignment(rnd)
+        asg = R.Assignment.from_json(raw_asg, self.full(keys[2]), rnd) if raw_asg else None
+        return rnd, raw_round, asg
 
     def read_assignment(self, rnd: int) -> R.Assignment | None:
         key = R.assignment_key(rnd)
@@ -107,8 +127,10 @@ class RoundProtocol:
 
     def _raise_if_closed(self) -> None:
         (raw,) = self.store.multi_get([R.CLOSED])
-        if not raw:
-            return
+        if raw:
+            self._raise_closed(raw)
+
+    def _raise_closed(self, raw: bytes) -> None:
         at = R.closed_at(raw)
         if at is not None and at < self.started_at:
             # This node started after the job closed: it was never one of its nodes.
@@ -158,18 +180,14 @@ class RoundProtocol:
         self._admitted = True
 
     def next_round(self) -> R.Assignment:
-        self._raise_if_closed()
+        if not self._admitted and self.node.get("fp"):
+            self._raise_if_closed()  # a closed job says so before refusing a mismatch
         self.check_fingerprint()
         deadline = time.monotonic() + self.s.join_timeout
         if self.progress is not None:
             self._lines = RoundProgress(self.progress, self.s.min_nodes, self.s.max_nodes, deadline)
-        first = True  # the first pass needs no second read of "closed": just done above
         while True:
-            if not first:
-                self._raise_if_closed()
-            first = False
-            rnd = self.current_round()
-            asg = self.read_assignment(rnd)
+            rnd, raw_round, asg = self._round_state()
             if asg is None:
                 target = rnd
             elif asg.state == "closed":
@@ -186,7 +204,7 @@ class RoundProtocol:
                 continue
             target = max(target, self._joined + 1)  # an old round's outcome is not ours
             if target != rnd:
-                self.store.compare_set(R.ROUND, str(rnd), str(target))
+                self.store.compare_set(R.ROUND, raw_round, str(target))
             result = self._join(target, deadline)
             self._joined = target  # its outcome is out: formed, abandoned or closed
             if result is not None:
@@ -212,10 +230,13 @@ class RoundProtocol:
         record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
         slot = self.store.add(R.count_key(rnd), 1)
         self.store.set(R.join_key(rnd, slot), R.dumps(record))
+        if rnd == 0 and slot == 1:  # the job's first node: the round key says it exists
+            self.store.compare_set(R.ROUND, "", "0")
         if rnd > 0:  # the running round's members count the next round's joiners
             note_event(self.store)
         found = self._find_coordinator(rnd, slot)
         if found is None:
+            self._phase(None, False)  # the waiters' watchers read our heartbeat
             asg = self._coordinate(rnd, deadline)
         else:
             # While we wait only the coordinator's liveness matters: we stay quiet, and
@@ -225,8 +246,12 @@ class RoundProtocol:
             self._phase((rnd, coordinator) if watcher else None, True)
             try:
                 asg = self._await(rnd, deadline)
-            finally:
+            except BaseException:
                 self._phase(None, False)
+                raise
+            # Formed with us: quiet until the round's first keep-alive (``Lease.arm``),
+            # so one goes out, not two at once.
+            self._phase(None, asg.state == "formed" and self.node_id in asg.members)
         if asg.state == "closed":
             self._raise_if_closed()
         if asg.state != "formed" or self.node_id not in asg.members:
