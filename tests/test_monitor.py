@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -147,21 +148,9 @@ def test_a_store_cut_off_fences_within_the_timeout(cluster_factory: Callable) ->
     assert "heartbeat_timeout=1s" in fenced[0]["fenced"]
 
 
-@pytest.mark.timeout(120)
-def test_an_idle_member_costs_the_store_two_requests_a_second(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Three c10d handlers (defaults: a keep-alive and a tick a second) in a formed round,
-    each with the agent's job watch running: the store answers each node's keep-alive
-    (COMPARE_SET) and one MULTI_GET a second, nothing else (no WAIT, no job-watch read)."""
-    from collections import Counter
-    from concurrent.futures import ThreadPoolExecutor
-
-    from conftest import free_port
-    from elastic.core.agent.job_watch import JobWatch
-    from elastic.core.interfaces.rendezvous import RendezvousParameters
+def count_requests(monkeypatch: pytest.MonkeyPatch) -> dict[int, Counter[str]]:
+    """Requests by kind, per TCPStore server of this process, from now on."""
     from elastic.core.tcpstore import server as server_module
-    from elastic.plugins.rdzv_c10d import create_handler
 
     counts: dict[int, Counter[str]] = {}
     handle = server_module.TCPStoreServer._handle
@@ -171,6 +160,58 @@ def test_an_idle_member_costs_the_store_two_requests_a_second(
         handle(self, conn, req)
 
     monkeypatch.setattr(server_module.TCPStoreServer, "_handle", counted)
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_forming_a_round_costs_a_fresh_node_one_keep_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four fresh c10d handlers form a round: one slot, one join record and (but for the
+    coordinator) one WAIT each, and one keep-alive each, the round's first (a node that
+    never was a member sends none before; the keep-alive thread sends no second one
+    right after it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import free_port
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    n = 4
+    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "round-cost", n, n)
+    handlers = [create_handler(params) for _ in range(n)]
+    try:
+        counts = count_requests(monkeypatch)  # from here: the round, not the connecting
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        (job,) = [c for c in counts.values() if c["ADD"]]
+        print("requests forming the round:", dict(job))
+        assert job["ADD"] == n and job["SET"] == n
+        # The coordinator may wait for a slot whose record is being written.
+        assert n - 1 <= job["WAIT"] <= n + 2, job
+        # n keep-alives, the outcome's publishing, the round key; one more for a
+        # coordinator that took a keep-alive period to form it (a slow machine).
+        assert n + 2 <= job["COMPARE_SET"] <= n + 3, job
+    finally:
+        for h in sorted(handlers, key=lambda h: h.is_hosting):
+            h.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_member_costs_the_store_two_requests_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three c10d handlers (defaults: a keep-alive and a tick a second) in a formed round,
+    each with the agent's job watch running: the store answers each node's keep-alive
+    (COMPARE_SET) and one MULTI_GET a second, nothing else (no WAIT, no job-watch read)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import free_port
+    from elastic.core.agent.job_watch import JobWatch
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    counts = count_requests(monkeypatch)
     port = free_port()
     params = RendezvousParameters("c10d", f"{HOST}:{port}", "count", 3, 3)
     handlers = [create_handler(params) for _ in range(3)]
