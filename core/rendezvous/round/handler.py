@@ -177,7 +177,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._live_monitor()  # a store lost meanwhile is an error, not a round
         rank = asg.members.index(self.node_id)
         self._current = asg
-        monitor.set_round(asg, rank)
+        monitor.set_round(asg, rank, self.protocol.outcome_sent)
         self.round_formed(asg)
         return RendezvousInfo(
             store=self.job_store,

@@ -46,6 +46,16 @@ unanswered then is given up and its connection made again, which ends the jeopar
 longer bound would ride out longer pauses, but a call stuck across a partition then
 waits for TCP's retransmission backoff after the heal, and delays the node's return.)
 
+A round's outcome is an acknowledgement too. The request that brought it (a waiter's
+WAIT, the coordinator's publishing) was sent before the outcome existed, and was
+answered; every peer's clock for this node's heartbeat in the new round starts at a read
+made after the outcome existed, so a lease counted from that send ends at least
+``STOP_MARGIN`` before any verdict, by the argument above. A node that waited less than
+the lease therefore starts its round without a keep-alive round trip of its own (the
+keep-alive thread sends the next in the background: a node's first at once, then a
+period after the last): a round's
+members return one round trip sooner, and a thousand of them do not queue for it.
+
 Once fenced the node stays fenced until its next round (``arm``): an acknowledgement that
 arrives after the lease ran out proves nothing about the time in between, when a peer may
 have declared the node lost.
@@ -119,14 +129,12 @@ class Lease:
 
     # -- control --------------------------------------------------------------------
     def start(self, name: str) -> None:
-        """The keep-alive thread and the judge. The first keep-alive goes out a period
-        from now, or when a round forms (``arm``), whichever is first: a node that joins
-        at once and waits quietly sends one keep-alive to form a round, not three (a
-        thousand nodes joining at once are a thousand round trips fewer each time)."""
+        """The keep-alive thread and the judge. The first keep-alive goes out when this
+        node stops being quiet: it coordinates a round, or one with it formed (``arm``);
+        on the way to its first round a node sends none (a thousand nodes joining at once
+        are a thousand round trips or more fewer)."""
         if self._thread is not None:
             return
-        with self._lock:
-            self._last_sent = time.monotonic()  # due a period from now
         # A store that cannot tell a slow store from a gone one (no ``peer_silence`` on a
         # connection in use: etcd) has no jeopardy, so it gets keep-alives twice as
         # often: a pause up to the lease minus half an interval (3.5 s by default)
@@ -155,14 +163,19 @@ class Lease:
         if not quiet:
             self._wake_keeper.set()
 
-    def arm(self, member: bool) -> None:
+    def arm(self, member: bool, outcome_sent: float | None = None) -> None:
         """A round with this node in it formed (``member``), or none is running. A new
-        round starts unfenced; a lease gone stale while this node waited quietly for
-        the round is renewed first, so the round does not start fenced; the keep-alives
-        go on from there, a period after that one."""
+        round starts unfenced. The request that brought the round's outcome, sent at
+        ``outcome_sent`` and answered, counts as an acknowledged keep-alive (see the
+        module); a lease stale even so (a long wait) is renewed first, so the round does
+        not start fenced. The keep-alives go on from there, a period after the last."""
         with self._lock:
             self._expired = None
             self._armed = False
+            if outcome_sent is not None and (
+                self._acked_sent is None or outcome_sent > self._acked_sent
+            ):
+                self._acked_sent = outcome_sent
             stale = self._acked_sent is None or self._left(time.monotonic()) < self.period
         if member and stale:
             try:
@@ -219,7 +232,7 @@ class Lease:
         """When the next keep-alive is due: a period after the last one was *sent* (after
         an answer that took long, a paused store, the next goes out at once, while the
         lease it extended is new). Caller holds the lock."""
-        if self._urgent or self._last_sent is None:
+        if self._urgent or self._last_sent is None:  # a node's first: at once
             return time.monotonic()
         return self._last_sent + self.period
 

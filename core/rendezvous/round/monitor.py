@@ -236,7 +236,11 @@ class Monitor:
         with self._lock:
             return self._job_values
 
-    def set_round(self, asg: R.Assignment | None, rank: int | None) -> None:
+    def set_round(
+        self, asg: R.Assignment | None, rank: int | None, outcome_sent: float | None = None
+    ) -> None:
+        """The round this node is a member of (None: none runs); ``outcome_sent``: when
+        the request that brought its outcome was sent (``Lease.arm``)."""
         with self._lock:
             self._round, self._rank = asg, rank
             self._tracker = LivenessTracker(self.timeout, self.interval)
@@ -251,7 +255,7 @@ class Monitor:
             old, self._client = self._client, None
         if old is not None:
             old.stop()
-        self.lease.arm(asg is not None)
+        self.lease.arm(asg is not None, outcome_sent)
         if rank == 0 and asg is not None and self._presence is not None:
             self._presence.watch(m for m in asg.members if m != self.node_id)
 

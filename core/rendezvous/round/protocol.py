@@ -68,6 +68,10 @@ class RoundProtocol:
         # Waiting lines (progress_lines.py): the callback that prints them.
         self.progress: Say | None = None
         self._lines: RoundProgress | None = None
+        # When the request that brought the last outcome (a WAIT, or the coordinator's
+        # publishing) was sent: the store answered it, so it counts as a keep-alive
+        # acknowledged (``Lease.arm``).
+        self.outcome_sent: float | None = None
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -147,7 +151,9 @@ class RoundProtocol:
     def publish(self, rnd: int, asg: R.Assignment) -> R.Assignment:
         """compare_set the round's outcome; returns whichever outcome won."""
         desired = asg.to_json().encode()
+        sent = time.monotonic()
         held = self.store.compare_set(R.assignment_key(rnd), "", desired)
+        self.outcome_sent = sent
         if held == desired:
             return asg
         return R.Assignment.from_json(held, self.full(R.assignment_key(rnd)), rnd)
@@ -299,6 +305,7 @@ class RoundProtocol:
         # TCP reset would otherwise keep this wait blocked until join_timeout).
         failure: list[BaseException] = []
         done = threading.Event()
+        sent = time.monotonic()  # no later than the WAIT goes out
 
         def wait() -> None:
             try:
@@ -322,6 +329,7 @@ class RoundProtocol:
             raise failure[0]
         asg = self.read_assignment(rnd)
         assert asg is not None
+        self.outcome_sent = sent
         return asg
 
     def _counters(self, rnd: int) -> tuple[int, int]:
