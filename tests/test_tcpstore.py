@@ -4,6 +4,7 @@ loopback, and torch's own TCPStore on the other end for interoperability."""
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -676,3 +677,17 @@ def test_a_request_interrupted_before_its_answer_never_answers_the_next(
         assert conn.call("get", "late") == b"1"
     finally:
         conn.close()
+
+
+def test_every_socket_of_a_client_has_the_kernel_s_timeouts(any_server: int) -> None:
+    """Calls are bounded by SO_SNDTIMEO/SO_RCVTIMEO (the client's sockets are blocking),
+    on every kind of server, including a torch server's second connection (a torch server
+    closes the first, which asks for the token handshake)."""
+    with TCPStoreClient(HOST, any_server, timeout=3.0) as client:
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+        sock = client._sock
+        assert sock.gettimeout() is None  # blocking: one syscall per recv
+        for option in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+            sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+            assert 0 < sec + usec / 1e6 <= 3.0, (option, sec, usec)

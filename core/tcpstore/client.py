@@ -141,6 +141,7 @@ class TCPStoreClient:
             # every recv a poll() and a recv, each giving up the GIL, which a thousand
             # clients in one process (the scale bench, a test) pay on every round trip.
             self._sock.settimeout(None)
+            self._bounds.clear()  # a new socket (torch's server: connected again)
             with self._lock:
                 answer = self._roundtrip(
                     wire.handshake(nonce), lambda _: self._u32(handshake_deadline)
