@@ -104,9 +104,16 @@ def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
     key = R.lost_key(rnd)
     if rnd < 0 or not store.check([key]):
         return []
-    value = R.loads(store.get(key), store.prefix + key)
+    return parse_lost(store.get(key), store.prefix + key)
+
+
+def parse_lost(raw: bytes | None, key: str) -> list[str]:
+    """A round's lost list as read from ``key`` (full name); absent or foreign: []."""
+    if not raw:
+        return []
+    value = R.loads(raw, key)
     if not isinstance(value, list):
-        raise RendezvousStateError(f"rendezvous state key {store.prefix + key!r} is not a list")
+        raise RendezvousStateError(f"rendezvous state key {key!r} is not a list")
     return [str(v) for v in value]
 
 
@@ -386,7 +393,7 @@ class Monitor:
         events = parse_counter(raw_events or b"")
         if events is None or events != seen:
             read = values[1 + len(targets) : after_beats] if eager else None
-            closed, waiting = self._read_facts(asg, facts, read)
+            closed, waiting = self._read_facts(facts, read)
         # A foreign heartbeat value (None) is no news: never "left", never "vanished".
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
         lost = self._check_members(asg, beat_of, asked, answered)
@@ -397,9 +404,7 @@ class Monitor:
             if job_keys == self._job_keys:  # not changed meanwhile
                 self._job_values = [v or b"" for v in values[after_beats:]]
 
-    def _read_facts(
-        self, asg: R.Assignment, facts: list[str], read: list[bytes | None] | None
-    ) -> tuple[bool, int]:
+    def _read_facts(self, facts: list[str], read: list[bytes | None] | None) -> tuple[bool, int]:
         """(closed, nodes waiting for the next round) from the round's facts (``read``,
         or one read of them now); notes the published lost list and refused nodes."""
         raw_closed, raw_waiting, raw_lost, raw_refused = (
@@ -407,12 +412,7 @@ class Monitor:
         )
         # A value not signed for this job (None) is absent; a count that is no counter
         # (anyone may write one) is nobody waiting.
-        lost = R.loads(raw_lost, self.store.prefix + facts[2]) if raw_lost else []
-        if not isinstance(lost, list):
-            raise RendezvousStateError(
-                f"rendezvous state key {self.store.prefix + facts[2]!r} is not a list"
-            )
-        self._published = [str(node) for node in lost]
+        self._published = parse_lost(raw_lost, self.store.prefix + facts[2])
         self._log_refused(parse_counter(raw_refused or b"") or 0)
         return bool(raw_closed), parse_counter(raw_waiting or b"") or 0
 

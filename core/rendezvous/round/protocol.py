@@ -110,8 +110,7 @@ class RoundProtocol:
         rnd = self._round_number(raw_round)
         if rnd != guess:
             return rnd, raw_round, self.read_assignment(rnd)
-        asg = R.Assignment.from_json(raw_asg, self.full(keys[2]), rnd) if raw_asg else None
-        return rnd, raw_round, asg
+        return rnd, raw_round, self._assignment(raw_asg, rnd)
 
     def read_assignment(self, rnd: int) -> R.Assignment | None:
         key = R.assignment_key(rnd)
@@ -119,9 +118,13 @@ class RoundProtocol:
             return None
         # One read: a missing (or foreign) value reads as b"", as a CHECK would say.
         (raw,) = self.store.multi_get([key])
+        return self._assignment(raw, rnd)
+
+    def _assignment(self, raw: bytes, rnd: int) -> R.Assignment | None:
+        """Round ``rnd``'s outcome as read (``b""``: none yet)."""
         if not raw:
             return None
-        return R.Assignment.from_json(raw, self.full(key), rnd)
+        return R.Assignment.from_json(raw, self.full(R.assignment_key(rnd)), rnd)
 
     def read_lost(self, rnd: int) -> list[str]:
         return read_lost(self.store, rnd)
