@@ -147,22 +147,19 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         addr = params.local_addr or net.route_address(self.host, self.port)
         standby = ""
         if not params.read_only:
-            # Its own connection, opened now so no connection cost lands inside a round.
-            monitor_conn = Connection(
-                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT, settings.token
-            )
-            monitor_conn.successors = self._candidates[1:]
-            self._conns.append(monitor_conn)
-            monitor_conn.call("check", [prefix])
-            monitor_store = PrefixStore(monitor_conn, prefix)
-            # The keep-alives' own (``lease.py``).
-            lease_conn = Connection(
-                agent_conn.host, agent_conn.port, settings.read_timeout, GONE_HINT, settings.token
-            )
-            lease_conn.successors = self._candidates[1:]
-            self._conns.append(lease_conn)
-            lease_conn.call("check", [prefix])
-            lease_store = PrefixStore(lease_conn, prefix)
+
+            def own_connection() -> PrefixStore:
+                """Another connection to the same store, opened now so no connection
+                cost lands inside a round."""
+                host, port = agent_conn.host, agent_conn.port
+                conn = Connection(host, port, settings.read_timeout, GONE_HINT, settings.token)
+                conn.successors = self._candidates[1:]
+                self._conns.append(conn)
+                conn.call("check", [prefix])
+                return PrefixStore(conn, prefix)
+
+            monitor_store = own_connection()  # the monitor thread's
+            lease_store = own_connection()  # the keep-alives' (``lease.py``)
             if self._server is None:
                 self._standby, standby = self._keep_standby(addr)
         super().__init__(
