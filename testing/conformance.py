@@ -50,6 +50,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from elastic.core.interfaces.coordination import WAIT_TICK
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
@@ -323,6 +324,31 @@ class RendezvousConformance:
         assert time.monotonic() - started < 10
         assert s0.delete_key("agent/failures/0")
         assert not s1.check(["agent/failures/0"])
+
+    def test_a_wait_ticks_until_its_tick_gives_up(self, nodes: Nodes, run_id: str) -> None:
+        """``wait`` calls its ``tick`` about every ``WAIT_TICK`` s while a key is missing,
+        and what the tick raises ends the wait: how a node waiting for a round gives up
+        (its store found lost) without a thread of its own. The store still answers."""
+        infos = rendezvous_all(nodes.make(run_id, 2, 2, n=2))
+        store = infos[1].store
+        ticks: list[float] = []
+
+        class GiveUp(Exception):
+            pass
+
+        def tick() -> None:
+            ticks.append(time.monotonic())
+            if len(ticks) == 2:
+                raise GiveUp
+
+        started = time.monotonic()
+        with pytest.raises(GiveUp):
+            store.wait(["agent/never"], timedelta(seconds=60), tick)
+        assert 1.5 * WAIT_TICK <= time.monotonic() - started < 2 * WAIT_TICK + 5
+        store.set("agent/after", b"1")
+        assert store.get("agent/after") == b"1"
+        store.wait(["agent/after"], timedelta(seconds=10), tick)  # there: no tick
+        assert len(ticks) == 2
 
     def test_unknown_conf_key_rejected(self, rdzv_target: RendezvousTarget, run_id: str) -> None:
         params = rdzv_target.params(run_id, 1, 1, surely_not_a_key="1")

@@ -21,9 +21,12 @@ strings below the store's ``prefix``; adapters encode them as their server needs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
+
+# How often a ``wait`` calls its ``tick`` while the keys are still missing.
+WAIT_TICK = 1.0
 
 # The longest a reachable host goes unheard on a connection that reports ``peer_silence``:
 # transports that report it probe an idle connection every second (TCP keepalive), and a
@@ -64,8 +67,16 @@ class CoordinationStore(Protocol):
         where the server allows."""
         ...
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        """Block until every key exists; ``StoreTimeoutError`` after ``timeout``."""
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
+        """Block until every key exists; ``StoreTimeoutError`` after ``timeout``.
+        ``tick`` is called on the waiting thread about every ``WAIT_TICK`` s while the
+        keys are missing, and what it raises ends the wait: a caller gives up (the store
+        was found lost, a line is due) without a thread of its own to watch the wait."""
         ...
 
     def check(self, keys: Sequence[str]) -> bool:

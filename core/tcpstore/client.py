@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
+from elastic.core.interfaces.coordination import WAIT_TICK
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
     RendezvousConnectionError,
@@ -216,11 +217,16 @@ class TCPStoreClient:
         with self._lock:
             return self._roundtrip(payload, self._blob)
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
         seconds = self.timeout if timeout is None else timeout.total_seconds()
         wire_keys = [self._key(k) for k in keys]
         with self._lock:
-            self._wait(wire_keys, seconds, keys)
+            self._wait(wire_keys, seconds, keys, tick)
 
     def check(self, keys: Sequence[str]) -> bool:
         payload = wire.request(Query.CHECK, wire.blobs([self._key(k) for k in keys]))
@@ -301,16 +307,35 @@ class TCPStoreClient:
     def _key(key: str) -> bytes:
         return (wire.KEY_PREFIX + key).encode()
 
-    def _wait(self, wire_keys: list[bytes], seconds: float, keys: Sequence[str]) -> None:
+    def _wait(
+        self,
+        wire_keys: list[bytes],
+        seconds: float,
+        keys: Sequence[str],
+        tick: Callable[[], None] | None = None,
+    ) -> None:
         """torch's ``doWait``: park a WAIT on the server; on timeout send CANCEL_WAIT and
         read its answer (after a STOP_WAITING that crossed it, if any), so the stream stays
-        in step, then raise. Caller holds the lock."""
+        in step, then raise. ``tick`` runs every ``WAIT_TICK`` s while the answer is due;
+        what it raises leaves the WAIT parked, so the connection is dropped as out of step
+        (``_roundtrip``). Caller holds the lock."""
         wait_deadline = time.monotonic() + max(seconds, 0.0)
+
+        def answer(_: float) -> None:
+            while True:
+                due = wait_deadline
+                if tick is not None:
+                    due = min(due, time.monotonic() + WAIT_TICK)
+                try:
+                    self._u8(due, wait=True)
+                    return
+                except _WaitExpired:
+                    if tick is None or due >= wait_deadline:
+                        raise
+                tick()
+
         try:
-            self._roundtrip(
-                wire.request(Query.WAIT, wire.blobs(wire_keys)),
-                lambda _: self._u8(wait_deadline, wait=True),
-            )
+            self._roundtrip(wire.request(Query.WAIT, wire.blobs(wire_keys)), answer)
             return
         except _WaitExpired:
             pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -142,7 +142,9 @@ class Connection:
             if stale is not None:
                 stale.close()
 
-    def wait(self, keys: list[str], timeout: timedelta | None) -> None:
+    def wait(
+        self, keys: list[str], timeout: timedelta | None, tick: Callable[[], None] | None = None
+    ) -> None:
         """``TCPStoreClient.wait`` on a waiting connection (see the class). A store that
         moved meanwhile is a ``RendezvousConnectionError``: the caller waits again."""
         try:
@@ -152,7 +154,7 @@ class Connection:
                 raise self._final(exc) from None
             client = self._take_waiter()
         try:
-            client.wait(keys, timeout)
+            client.wait(keys, timeout, tick)
         except StoreTimeoutError:
             self._return_waiter(client)  # the WAIT was cancelled: the stream is in step
             raise
@@ -310,8 +312,13 @@ class PrefixStore:
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return bytes(self._conn.call("compare_set", self._k(key), expected, desired))
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self._conn.wait([self._k(k) for k in keys], timeout)
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
+        self._conn.wait([self._k(k) for k in keys], timeout, tick)
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._conn.call("check", [self._k(k) for k in keys]))

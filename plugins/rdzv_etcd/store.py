@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import etcd
+from elastic.core.interfaces.coordination import WAIT_TICK
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.plugins.rdzv_etcd.client import EtcdClient
 
@@ -143,7 +144,12 @@ class EtcdStore:
         except etcd.EtcdKeyNotFound:
             return expected_b  # as LocalStore: absent and expected non-empty
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit
         pending = list(keys)
@@ -160,8 +166,11 @@ class EtcdStore:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StoreTimeoutError(f"timed out after {limit:.1f}s waiting for {pending}")
-            # Wake on the first change of a missing key (or after 1 s, to re-check them all).
-            self.client.watch(self._path(pending[0]), None, min(remaining, 1.0))
+            # Wake on the first change of a missing key (or after WAIT_TICK, to re-check
+            # them all and tick).
+            self.client.watch(self._path(pending[0]), None, min(remaining, WAIT_TICK))
+            if tick is not None:
+                tick()
 
     def check(self, keys: Sequence[str]) -> bool:
         for key in keys:

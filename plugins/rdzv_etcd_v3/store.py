@@ -25,10 +25,11 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from elastic.core.interfaces.coordination import WAIT_TICK
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -262,10 +263,20 @@ class EtcdV3Store:
     def check(self, keys: Sequence[str]) -> bool:
         return len(self._read(keys)[0]) == len(set(keys))
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self._await(keys, timeout)
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
+        self._await(keys, timeout, tick)
 
-    def _await(self, keys: Sequence[str], timeout: timedelta | None) -> dict[str, dict[str, Any]]:
+    def _await(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None,
+        tick: Callable[[], None] | None = None,
+    ) -> dict[str, dict[str, Any]]:
         limit = (self.timeout if timeout is None else timeout).total_seconds()
         deadline = time.monotonic() + limit
         wanted = {self._k(k) for k in keys}
@@ -284,11 +295,15 @@ class EtcdV3Store:
             # missing, so no write in between is lost; then read again to confirm.
             span = sorted(k.encode() for k in missing)
             slice_ = min(remaining, self._client().config.read_timeout)
+            if tick is not None:
+                slice_ = min(slice_, WAIT_TICK)
             for event in self._client().watch(span[0], span[-1] + b"\0", revision + 1, slice_):
                 if event.get("type") != "DELETE":
                     missing.discard(unb64(event["kv"]["key"]).decode(errors="replace"))
                 if not missing:
                     break
+            if missing and tick is not None:
+                tick()
 
     def add(self, key: str, amount: int) -> int:
         full = self._k(key)

@@ -11,7 +11,6 @@ closed, so a waiter is always woken by exactly one key and nothing polls in a lo
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -303,33 +302,23 @@ class RoundProtocol:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise self._timeout("no assignment was published")
-        # The blocking wait runs in a helper thread so that we can give up as soon as the
-        # heartbeat thread finds the store unreachable (a host that vanished without a
-        # TCP reset would otherwise keep this wait blocked until join_timeout).
-        failure: list[BaseException] = []
-        done = threading.Event()
         sent = time.monotonic()  # no later than the WAIT goes out
-
-        def wait() -> None:
-            try:
-                self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining))
-            except BaseException as exc:  # handed to the joining thread below
-                failure.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, name=f"rdzv-wait-{rnd}", daemon=True).start()
         lines = self._lines
-        while not done.wait(1.0 if lines is None else min(1.0, lines.until_due() + 0.01)):
+
+        def tick() -> None:
+            # Give up as soon as the heartbeat thread finds the store unreachable (a host
+            # that vanished without a TCP reset would otherwise hold this wait until
+            # join_timeout); say a waiting line when one is due.
             error = self._abort()
             if error is not None:
                 raise RendezvousConnectionError(str(error))
             if lines is not None:
                 lines.waiting(self.store, rnd)
-        if failure:
-            if isinstance(failure[0], StoreTimeoutError):
-                raise self._timeout("no assignment was published")
-            raise failure[0]
+
+        try:
+            self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining), tick)
+        except StoreTimeoutError:
+            raise self._timeout("no assignment was published") from None
         asg = self.read_assignment(rnd)
         assert asg is not None
         self.outcome_sent = sent

@@ -22,10 +22,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from elastic.core.interfaces.coordination import CoordinationStore
+from elastic.core.interfaces.coordination import WAIT_TICK, CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousAuthError
 from elastic.core.interfaces.store import StoreTimeoutError
 
@@ -179,17 +179,27 @@ class SignedStore:
                 raise StoreTimeoutError(f"{self.prefix + key}: no signed value in {FOREIGN_WAIT}s")
             time.sleep(FOREIGN_POLL)
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+    def wait(
+        self,
+        keys: Sequence[str],
+        timeout: timedelta | None = None,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
         started = time.monotonic()
-        self.inner.wait(keys, timeout)
+        self.inner.wait(keys, timeout, tick)
         if self.token is None:
             return
         limit = FOREIGN_WAIT if timeout is None else timeout.total_seconds()
         # A foreign value made the wait return early: wait for the real one (whoever
         # writes it overwrites the foreign value, see ``compare_set``).
+        ticked = time.monotonic()
         while not all(self.read(keys)):
-            if time.monotonic() - started >= limit:
+            now = time.monotonic()
+            if now - started >= limit:
                 raise StoreTimeoutError(f"timed out waiting for signed values at {list(keys)}")
+            if tick is not None and now - ticked >= WAIT_TICK:
+                ticked = now
+                tick()
             time.sleep(FOREIGN_POLL)
 
     # -- writes --------------------------------------------------------------------
