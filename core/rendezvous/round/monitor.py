@@ -178,6 +178,7 @@ class Monitor:
         if presence is not None:
             presence.on_change = self._wake.set
         self._thread: threading.Thread | None = None
+        self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
         self._error: Exception | None = None
         self.closed = False
@@ -210,6 +211,7 @@ class Monitor:
         if self._thread is not None:
             return
         self.lease.start(self.node_id)
+        self._next_tick = time.monotonic() + self.interval
         self._thread = threading.Thread(
             target=self._run, name=f"rdzv-monitor-{self.node_id}", daemon=True
         )
@@ -260,6 +262,11 @@ class Monitor:
             # The old round's connection goes in the same step: a tick that runs from here
             # on makes the new round's, which nothing may stop.
             old, self._client = self._client, None
+            if asg is not None:
+                # The round's first tick comes an interval after it formed, not at once:
+                # its outcome is fresh, and a thousand members returning together do not
+                # read it again (nor connect to rank 0) while the last are still returning.
+                self._next_tick = time.monotonic() + self.interval
         if old is not None:
             old.stop()
         self.lease.arm(asg is not None, outcome_sent)
@@ -330,18 +337,23 @@ class Monitor:
 
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
-        next_tick = time.monotonic() + self.interval
         while True:
             presence = self._presence if self._rank == 0 else None
             due = presence.next_due(self._published) if presence is not None else None
+            with self._lock:
+                next_tick = self._next_tick
             wake_at = next_tick if due is None else min(next_tick, due)
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            woken = self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
-            if time.monotonic() >= next_tick:
-                # After a stall, carry on from now rather than bursting to catch up.
-                next_tick = max(next_tick + self.interval, time.monotonic())
+            now = time.monotonic()
+            with self._lock:
+                if not woken and now < self._next_tick and (due is None or now < due):
+                    continue  # a new round moved the ticks (``set_round``)
+                if now >= self._next_tick:
+                    # After a stall, carry on from now rather than bursting to catch up.
+                    self._next_tick = max(self._next_tick + self.interval, now)
             try:
                 self._tick()
             except (RendezvousStateError, RendezvousStoreGoneError, RendezvousAuthError) as exc:
