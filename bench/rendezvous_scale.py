@@ -30,6 +30,7 @@ from elastic.testing.benchmarking import (
     add_rendezvous_scale_options,
     add_torch_runs,
     rendezvous_summary,
+    shut_down,
     time_rendezvous,
 )
 from elastic.testing.ports import free_port
@@ -57,8 +58,7 @@ def ours(nodes: int, run_id: str, timeout: float, conf: dict[str, str]) -> dict[
     # (first) last, so it does not wait for the others.
     t1 = time.perf_counter()
     timing.handlers[0].set_closed()
-    for h in reversed(timing.handlers):
-        h.shutdown()
+    shut_down(timing.handlers, last=timing.handlers[0])
     return {**timing.result(), "shutdown_seconds": time.perf_counter() - t1}
 
 

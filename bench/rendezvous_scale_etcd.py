@@ -25,6 +25,7 @@ from elastic.testing.benchmarking import (
     add_rendezvous_scale_options,
     add_torch_runs,
     rendezvous_summary,
+    shut_down,
     time_rendezvous,
 )
 from elastic.testing.etcd import EtcdCluster
@@ -52,8 +53,7 @@ def ours(backend: str, endpoint: str, nodes: int, run_id: str, timeout: float) -
         ]
 
     timing = time_rendezvous(create_handlers, timeout)
-    for h in timing.handlers:
-        h.shutdown()
+    shut_down(timing.handlers)
     return timing.result()
 
 

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,21 @@ def run_threads(calls: list[Callable[[], Any]], timeout: float) -> tuple[float |
         if t.is_alive():
             return None, results
     return time.perf_counter() - start, results
+
+
+SHUTDOWN_THREADS = 64  # handlers shut down at once by ``shut_down``
+
+
+def shut_down(handlers: list[Any], last: Any = None) -> float:
+    """Shut the handlers down as their agents would, all at once (as many threads as
+    SHUTDOWN_THREADS), ``last`` after the others (a store's host); seconds it took. One
+    by one, a thousand handlers still ticking against one store take minutes."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(SHUTDOWN_THREADS) as pool:
+        list(pool.map(lambda h: h.shutdown(), [h for h in handlers if h is not last]))
+    if last is not None:
+        last.shutdown()
+    return time.perf_counter() - started
 
 
 @dataclass

@@ -71,6 +71,8 @@ class RoundProtocol:
         # publishing) was sent: the store answered it, so it counts as a keep-alive
         # acknowledged (``Lease.arm``).
         self.outcome_sent: float | None = None
+        # Slot 1's join record of a round, as read with the round's state (b"": not yet).
+        self._first_slots: dict[int, bytes] = {}
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -100,10 +102,15 @@ class RoundProtocol:
     def _round_state(self) -> tuple[int, bytes, R.Assignment | None]:
         """(the current round, the round key as read, that round's outcome or None),
         having raised if the job is closed: one read when the round is the newest this
-        node joined (or 0), which it is when a round forms or re-forms."""
+        node joined (or 0), which it is when a round forms or re-forms. The same read
+        takes the first join record of that round and the next (``_first_slots``): the
+        round this node joins next is one of them, and its first slot is most often
+        taken already, so a joiner learns its coordinator without a read of its own."""
         guess = max(self._joined, 0)
         keys = [R.CLOSED, R.ROUND, R.assignment_key(guess)]
-        raw_closed, raw_round, raw_asg = self.store.multi_get(keys)
+        keys += [R.join_key(guess, 1), R.join_key(guess + 1, 1)]
+        raw_closed, raw_round, raw_asg, first, next_first = self.store.multi_get(keys)
+        self._first_slots = {guess: first, guess + 1: next_first}
         if raw_closed:
             self._raise_closed(raw_closed)
         rnd = self._round_number(raw_round)
@@ -279,21 +286,29 @@ class RoundProtocol:
             except StoreTimeoutError:
                 pass  # a joiner died between add and set: its slot reads empty, is skipped
             values.update(zip(missing, self.store.multi_get(missing), strict=True))
-        out = []
-        for key, raw in values.items():
-            if not raw:  # never written, or foreign (not signed for this job and slot)
-                continue
-            record = R.loads(raw, self.full(key))
-            if not R.valid_join(record, rnd):
-                log.warning("ignoring malformed join record at %s", self.full(key))
-            else:
-                out.append(record)
-        return out
+        records = (self._join_record(key, raw, rnd) for key, raw in values.items())
+        return [record for record in records if record is not None]
+
+    def _join_record(self, key: str, raw: bytes, rnd: int) -> dict[str, Any] | None:
+        """The join record read at ``key``; None when absent, foreign (not signed for
+        this job and slot) or malformed (said once, here)."""
+        if not raw:
+            return None
+        record = R.loads(raw, self.full(key))
+        if not R.valid_join(record, rnd):
+            log.warning("ignoring malformed join record at %s", self.full(key))
+            return None
+        return record
 
     def _find_coordinator(self, rnd: int, slot: int) -> tuple[int, str] | None:
         """(slot, node id) of the lowest valid slot, the coordinator; None when it is us."""
+        first = self._first_slots.pop(rnd, b"")
         for i in range(1, slot):
-            found = self._read_slots(rnd, i, i)
+            if i == 1 and first:  # read with the round's state (``_round_state``)
+                record = self._join_record(R.join_key(rnd, 1), first, rnd)
+                found = [record] if record is not None else []
+            else:
+                found = self._read_slots(rnd, i, i)
             if found:
                 return i, str(found[0]["id"])
         return None
