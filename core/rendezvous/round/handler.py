@@ -113,6 +113,10 @@ class RoundRendezvousHandler(RendezvousHandler):
                 if lease_store is None
                 else SignedStore(lease_store, settings.token, params.run_id),
             )
+            # Its threads start with the handler, as the presence port does: a round is
+            # then only round trips (a thousand nodes starting threads at once, in one
+            # process, took a second of the round).
+            self._monitor.start()
 
     @property
     def where(self) -> str:
@@ -150,7 +154,6 @@ class RoundRendezvousHandler(RendezvousHandler):
         told = False
         while True:
             try:
-                monitor.start()
                 asg = self.protocol.next_round()
                 break
             except StoreTimeoutError as exc:  # an operation that should be instant hung
@@ -199,12 +202,12 @@ class RoundRendezvousHandler(RendezvousHandler):
         self.protocol.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        if self._monitor is None or not self._monitor.started:
+        if self._monitor is None:
             return 0
         return self._live_monitor().waiting
 
     def lost_nodes(self) -> list[str]:
-        if self._monitor is None or not self._monitor.started:
+        if self._monitor is None:
             return []
         monitor = self._live_monitor()
         why = monitor.fenced(self.where)

@@ -51,10 +51,10 @@ WAIT, the coordinator's publishing) was sent before the outcome existed, and was
 answered; every peer's clock for this node's heartbeat in the new round starts at a read
 made after the outcome existed, so a lease counted from that send ends at least
 ``STOP_MARGIN`` before any verdict, by the argument above. A node that waited less than
-the lease therefore starts its round without a keep-alive round trip of its own, and the
-keep-alive thread sends the next a period after that request, as after any keep-alive: a
-round's members return one round trip sooner, and a thousand of them neither queue for it
-nor send one while the last are still returning.
+the lease therefore starts its round without a keep-alive round trip of its own (the
+keep-alive thread sends the next in the background: a node's first at once, then a
+period after the last): a round's
+members return one round trip sooner, and a thousand of them do not queue for it.
 
 Once fenced the node stays fenced until its next round (``arm``): an acknowledgement that
 arrives after the lease ran out proves nothing about the time in between, when a peer may
@@ -176,9 +176,6 @@ class Lease:
                 self._acked_sent is None or outcome_sent > self._acked_sent
             ):
                 self._acked_sent = outcome_sent
-                # ... and as one sent: the next goes out a period after it, not at once.
-                if self._last_sent is None or outcome_sent > self._last_sent:
-                    self._last_sent = outcome_sent
             stale = self._acked_sent is None or self._left(time.monotonic()) < self.period
         if member and stale:
             try:

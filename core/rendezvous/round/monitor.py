@@ -217,10 +217,6 @@ class Monitor:
         )
         self._thread.start()
 
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
     def stop(self, wait: bool = True) -> None:
         """Stop the threads; ``wait=False`` when one may be stuck in a store call (a
         partition) and the caller must not be held up by it."""
