@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -198,6 +199,88 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
                 break
             time.sleep(0.05)
         assert [b.split()[0] if b else b"none" for b in beats] == [b"1"] * n, beats
+    finally:
+        for h in sorted(handlers, key=lambda h: h.is_hosting):
+            h.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_forming_a_round_starts_no_thread() -> None:
+    """A round is only round trips: a handler's threads (monitor, keep-alives) start
+    with it, a waiter waits on its own thread (no helper per WAIT), and a member's first
+    tick in the round, which connects to rank 0's presence port in a thread of its own,
+    comes an interval after the round formed. A thousand handlers in one process spent
+    seconds of a round starting threads."""
+    from conftest import free_port
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    n = 4
+    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "no-threads", n, n)
+    handlers = [create_handler(params) for _ in range(n)]
+    go = threading.Event()
+    infos: list[Any] = []
+
+    def join(handler: Any) -> None:
+        go.wait()
+        infos.append(handler.next_rendezvous())
+
+    callers = [threading.Thread(target=join, args=(h,)) for h in handlers]
+    try:
+        for caller in callers:
+            caller.start()
+        before = set(threading.enumerate())
+        go.set()
+        for caller in callers:
+            caller.join(60)
+        assert len(infos) == n
+        time.sleep(0.5)  # a tick right after the round would have connected by now
+        started = set(threading.enumerate()) - before
+        assert not started, sorted(t.name for t in started)
+    finally:
+        go.set()
+        for h in sorted(handlers, key=lambda h: h.is_hosting):
+            h.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_learns_its_coordinator_from_the_round_s_state_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node that finds slot 1 of the round taken when it reads the round's state (one
+    read: closed, the round, its outcome, slot 1's record) reads no join record to learn
+    who coordinates: one request less per joiner."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import free_port
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.core.rendezvous.round.protocol import RoundProtocol
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    n = 3
+    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "first-slot", n, n)
+    handlers = [create_handler(params) for _ in range(n)]
+    read_slots = RoundProtocol._read_slots
+    readers: list[RoundProtocol] = []
+
+    def counted(self: RoundProtocol, rnd: int, first: int, last: int) -> Any:
+        readers.append(self)
+        return read_slots(self, rnd, first, last)
+
+    monkeypatch.setattr(RoundProtocol, "_read_slots", counted)
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            first = pool.submit(handlers[0].next_rendezvous)  # slot 1: the coordinator
+            deadline = time.monotonic() + 30
+            while not handlers[0].rdzv_store.multi_get([R.join_key(0, 1)])[0]:
+                assert time.monotonic() < deadline, "the first node never joined"
+                time.sleep(0.01)
+            others = [pool.submit(h.next_rendezvous) for h in handlers[1:]]
+            infos = [first.result(60), *(f.result(60) for f in others)]
+        assert sorted(i.rank for i in infos) == list(range(n))
+        joiners = {id(h.protocol) for h in handlers[1:]}
+        assert not [r for r in readers if id(r) in joiners]
+        assert [r for r in readers if r is handlers[0].protocol]  # the coordinator reads
     finally:
         for h in sorted(handlers, key=lambda h: h.is_hosting):
             h.shutdown()
