@@ -164,9 +164,30 @@ def count_requests(monkeypatch: pytest.MonkeyPatch) -> dict[int, Counter[str]]:
     return counts
 
 
+@pytest.fixture
+def c10d_job() -> Iterator[Callable[[str, int], list[Any]]]:
+    """``make(run_id, n)``: n fresh c10d handlers of one job (``min = max = n``), the first
+    hosting its store; all shut down after the test, the store's host last."""
+    from conftest import free_port
+    from elastic.core.interfaces.rendezvous import RendezvousParameters
+    from elastic.plugins.rdzv_c10d import create_handler
+
+    made: list[Any] = []
+
+    def make(run_id: str, n: int) -> list[Any]:
+        params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", run_id, n, n)
+        for _ in range(n):
+            made.append(create_handler(params))
+        return made[-n:]
+
+    yield make
+    for handler in sorted(made, key=lambda h: h.is_hosting):
+        handler.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[[str, int], list[Any]]
 ) -> None:
     """Four fresh c10d handlers form a round: one slot, one join record and (but for the
     coordinator) one WAIT each, and one keep-alive each, right after the round formed (a
@@ -174,50 +195,36 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
     lease's first acknowledgement, so none is sent on the way and none twice)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import free_port
-    from elastic.core.interfaces.rendezvous import RendezvousParameters
-    from elastic.plugins.rdzv_c10d import create_handler
-
     n = 4
-    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "round-cost", n, n)
-    handlers = [create_handler(params) for _ in range(n)]
-    try:
-        counts = count_requests(monkeypatch)  # from here: the round, not the connecting
-        with ThreadPoolExecutor(n) as pool:
-            list(pool.map(lambda h: h.next_rendezvous(), handlers))
-        formed = time.monotonic()
-        (job,) = [Counter(c) for c in counts.values() if c["ADD"]]
-        print("requests forming the round:", dict(job))
-        assert job["ADD"] == n and job["SET"] == n
-        # The coordinator may wait for a slot whose record is being written.
-        assert n - 1 <= job["WAIT"] <= n + 2, job
-        # A heartbeat is "<keep-alives sent> <time>"; the next is due a period (1 s) on.
-        beats: list[bytes] = []
-        while time.monotonic() - formed < 0.8:
-            beats = [h.rdzv_store.multi_get([R.hb_key(h.node_id)])[0] for h in handlers]
-            if all(beats):
-                break
-            time.sleep(0.05)
-        assert [b.split()[0] if b else b"none" for b in beats] == [b"1"] * n, beats
-    finally:
-        for h in sorted(handlers, key=lambda h: h.is_hosting):
-            h.shutdown()
+    handlers = c10d_job("round-cost", n)
+    counts = count_requests(monkeypatch)  # from here: the round, not the connecting
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    formed = time.monotonic()
+    (job,) = [Counter(c) for c in counts.values() if c["ADD"]]
+    print("requests forming the round:", dict(job))
+    assert job["ADD"] == n and job["SET"] == n
+    # The coordinator may wait for a slot whose record is being written.
+    assert n - 1 <= job["WAIT"] <= n + 2, job
+    # A heartbeat is "<keep-alives sent> <time>"; the next is due a period (1 s) on.
+    beats: list[bytes] = []
+    while time.monotonic() - formed < 0.8:
+        beats = [h.rdzv_store.multi_get([R.hb_key(h.node_id)])[0] for h in handlers]
+        if all(beats):
+            break
+        time.sleep(0.05)
+    assert [b.split()[0] if b else b"none" for b in beats] == [b"1"] * n, beats
 
 
 @pytest.mark.timeout(120)
-def test_forming_a_round_starts_no_thread() -> None:
+def test_forming_a_round_starts_no_thread(c10d_job: Callable[[str, int], list[Any]]) -> None:
     """A round is only round trips: a handler's threads (monitor, keep-alives) start
     with it, a waiter waits on its own thread (no helper per WAIT), and a member's first
     tick in the round, which connects to rank 0's presence port in a thread of its own,
     comes an interval after the round formed. A thousand handlers in one process spent
     seconds of a round starting threads."""
-    from conftest import free_port
-    from elastic.core.interfaces.rendezvous import RendezvousParameters
-    from elastic.plugins.rdzv_c10d import create_handler
-
     n = 4
-    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "no-threads", n, n)
-    handlers = [create_handler(params) for _ in range(n)]
+    handlers = c10d_job("no-threads", n)
     go = threading.Event()
     infos: list[Any] = []
 
@@ -239,27 +246,21 @@ def test_forming_a_round_starts_no_thread() -> None:
         assert not started, sorted(t.name for t in started)
     finally:
         go.set()
-        for h in sorted(handlers, key=lambda h: h.is_hosting):
-            h.shutdown()
 
 
 @pytest.mark.timeout(120)
 def test_a_joiner_learns_its_coordinator_from_the_round_s_state_read(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[[str, int], list[Any]]
 ) -> None:
     """A node that finds slot 1 of the round taken when it reads the round's state (one
     read: closed, the round, its outcome, slot 1's record) reads no join record to learn
     who coordinates: one request less per joiner."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import free_port
-    from elastic.core.interfaces.rendezvous import RendezvousParameters
     from elastic.core.rendezvous.round.protocol import RoundProtocol
-    from elastic.plugins.rdzv_c10d import create_handler
 
     n = 3
-    params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", "first-slot", n, n)
-    handlers = [create_handler(params) for _ in range(n)]
+    handlers = c10d_job("first-slot", n)
     read_slots = RoundProtocol._read_slots
     readers: list[RoundProtocol] = []
 
@@ -268,42 +269,33 @@ def test_a_joiner_learns_its_coordinator_from_the_round_s_state_read(
         return read_slots(self, rnd, first, last)
 
     monkeypatch.setattr(RoundProtocol, "_read_slots", counted)
-    try:
-        with ThreadPoolExecutor(n) as pool:
-            first = pool.submit(handlers[0].next_rendezvous)  # slot 1: the coordinator
-            deadline = time.monotonic() + 30
-            while not handlers[0].rdzv_store.multi_get([R.join_key(0, 1)])[0]:
-                assert time.monotonic() < deadline, "the first node never joined"
-                time.sleep(0.01)
-            others = [pool.submit(h.next_rendezvous) for h in handlers[1:]]
-            infos = [first.result(60), *(f.result(60) for f in others)]
-        assert sorted(i.rank for i in infos) == list(range(n))
-        joiners = {id(h.protocol) for h in handlers[1:]}
-        assert not [r for r in readers if id(r) in joiners]
-        assert [r for r in readers if r is handlers[0].protocol]  # the coordinator reads
-    finally:
-        for h in sorted(handlers, key=lambda h: h.is_hosting):
-            h.shutdown()
+    with ThreadPoolExecutor(n) as pool:
+        first = pool.submit(handlers[0].next_rendezvous)  # slot 1: the coordinator
+        deadline = time.monotonic() + 30
+        while not handlers[0].rdzv_store.multi_get([R.join_key(0, 1)])[0]:
+            assert time.monotonic() < deadline, "the first node never joined"
+            time.sleep(0.01)
+        others = [pool.submit(h.next_rendezvous) for h in handlers[1:]]
+        infos = [first.result(60), *(f.result(60) for f in others)]
+    assert sorted(i.rank for i in infos) == list(range(n))
+    joiners = {id(h.protocol) for h in handlers[1:]}
+    assert not [r for r in readers if id(r) in joiners]
+    assert [r for r in readers if r is handlers[0].protocol]  # the coordinator reads
 
 
 @pytest.mark.timeout(120)
 def test_an_idle_member_costs_the_store_two_requests_a_second(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[[str, int], list[Any]]
 ) -> None:
     """Three c10d handlers (defaults: a keep-alive and a tick a second) in a formed round,
     each with the agent's job watch running: the store answers each node's keep-alive
     (COMPARE_SET) and one MULTI_GET a second, nothing else (no WAIT, no job-watch read)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import free_port
     from elastic.core.agent.job_watch import JobWatch
-    from elastic.core.interfaces.rendezvous import RendezvousParameters
-    from elastic.plugins.rdzv_c10d import create_handler
 
     counts = count_requests(monkeypatch)
-    port = free_port()
-    params = RendezvousParameters("c10d", f"{HOST}:{port}", "count", 3, 3)
-    handlers = [create_handler(params) for _ in range(3)]
+    handlers = c10d_job("count", 3)
     watches = []
     try:
         with ThreadPoolExecutor(3) as pool:
@@ -323,8 +315,6 @@ def test_an_idle_member_costs_the_store_two_requests_a_second(
     finally:
         for watch in watches:
             watch.stop()
-        for h in sorted(handlers, key=lambda h: h.is_hosting):
-            h.shutdown()
 
 
 @pytest.mark.timeout(120)

@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 # How often a ``wait`` calls its ``tick`` while the keys are still missing.
 WAIT_TICK = 1.0
+Tick = Callable[[], None]
 
 # The longest a reachable host goes unheard on a connection that reports ``peer_silence``:
 # transports that report it probe an idle connection every second (TCP keepalive), and a
@@ -68,10 +69,7 @@ class CoordinationStore(Protocol):
         ...
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         """Block until every key exists; ``StoreTimeoutError`` after ``timeout``.
         ``tick`` is called on the waiting thread about every ``WAIT_TICK`` s while the

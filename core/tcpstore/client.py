@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from elastic.core.interfaces.coordination import WAIT_TICK
+from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
     RendezvousConnectionError,
@@ -218,10 +218,7 @@ class TCPStoreClient:
             return self._roundtrip(payload, self._blob)
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         seconds = self.timeout if timeout is None else timeout.total_seconds()
         wire_keys = [self._key(k) for k in keys]
@@ -312,7 +309,7 @@ class TCPStoreClient:
         wire_keys: list[bytes],
         seconds: float,
         keys: Sequence[str],
-        tick: Callable[[], None] | None = None,
+        tick: Tick | None = None,
     ) -> None:
         """torch's ``doWait``: park a WAIT on the server; on timeout send CANCEL_WAIT and
         read its answer (after a STOP_WAITING that crossed it, if any), so the stream stays

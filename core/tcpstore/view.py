@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from elastic.core.interfaces.coordination import Tick
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
@@ -142,9 +143,7 @@ class Connection:
             if stale is not None:
                 stale.close()
 
-    def wait(
-        self, keys: list[str], timeout: timedelta | None, tick: Callable[[], None] | None = None
-    ) -> None:
+    def wait(self, keys: list[str], timeout: timedelta | None, tick: Tick | None = None) -> None:
         """``TCPStoreClient.wait`` on a waiting connection (see the class). A store that
         moved meanwhile is a ``RendezvousConnectionError``: the caller waits again."""
         try:
@@ -313,10 +312,7 @@ class PrefixStore:
         return bytes(self._conn.call("compare_set", self._k(key), expected, desired))
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         self._conn.wait([self._k(k) for k in keys], timeout, tick)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
 import etcd
-from elastic.core.interfaces.coordination import WAIT_TICK
+from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.plugins.rdzv_etcd.client import EtcdClient
 
@@ -145,10 +145,7 @@ class EtcdStore:
             return expected_b  # as LocalStore: absent and expected non-empty
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit

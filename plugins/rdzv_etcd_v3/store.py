@@ -25,11 +25,11 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.interfaces.coordination import WAIT_TICK
+from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -264,10 +264,7 @@ class EtcdV3Store:
         return len(self._read(keys)[0]) == len(set(keys))
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         self._await(keys, timeout, tick)
 
@@ -275,7 +272,7 @@ class EtcdV3Store:
         self,
         keys: Sequence[str],
         timeout: timedelta | None,
-        tick: Callable[[], None] | None = None,
+        tick: Tick | None = None,
     ) -> dict[str, dict[str, Any]]:
         limit = (self.timeout if timeout is None else timeout).total_seconds()
         deadline = time.monotonic() + limit

@@ -22,10 +22,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
-from elastic.core.interfaces.coordination import WAIT_TICK, CoordinationStore
+from elastic.core.interfaces.coordination import WAIT_TICK, CoordinationStore, Tick
 from elastic.core.interfaces.rendezvous import RendezvousAuthError
 from elastic.core.interfaces.store import StoreTimeoutError
 
@@ -180,10 +180,7 @@ class SignedStore:
             time.sleep(FOREIGN_POLL)
 
     def wait(
-        self,
-        keys: Sequence[str],
-        timeout: timedelta | None = None,
-        tick: Callable[[], None] | None = None,
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         started = time.monotonic()
         self.inner.wait(keys, timeout, tick)
