@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 # How often a ``wait`` calls its ``tick`` while the keys are still missing.
 WAIT_TICK = 1.0
+# A ``wait``'s tick: what it raises ends the wait.
 Tick = Callable[[], None]
 
 # The longest a reachable host goes unheard on a connection that reports ``peer_silence``:

@@ -53,8 +53,8 @@ made after the outcome existed, so a lease counted from that send ends at least
 ``STOP_MARGIN`` before any verdict, by the argument above. A node that waited less than
 the lease therefore starts its round without a keep-alive round trip of its own (the
 keep-alive thread sends the next in the background: a node's first at once, then a
-period after the last): a round's
-members return one round trip sooner, and a thousand of them do not queue for it.
+period after the last): a round's members return one round trip sooner, and a thousand
+of them do not queue for it.
 
 Once fenced the node stays fenced until its next round (``arm``): an acknowledgement that
 arrives after the lease ran out proves nothing about the time in between, when a peer may
