@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     )
     handler = get_rendezvous_handler(params)
     info = handler.next_rendezvous()
-    node = info.members[info.rank] if info.members else ""
-    out = {"rank": info.rank, "world_size": info.world_size, "round": info.round, "node": node}
+    out = {"rank": info.rank, "world_size": info.world_size, "round": info.round}
+    out["node"] = info.node_id
     print(json.dumps(out), flush=True)
     while True:
         time.sleep(3600)

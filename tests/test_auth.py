@@ -31,6 +31,7 @@ from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.core.watchdog.job_channel import PROGRESS_KEY, STALL_MARK, JobStallChannel
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+from elastic.testing.conformance import by_rank, round_members
 
 FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
 JOB = "elastic/job/"  # where the c10d backend keeps job "job"'s keys
@@ -121,7 +122,7 @@ def test_a_forged_close_is_ignored(job: Any, torch_served: Any, caplog: Any) -> 
 
 def test_a_forged_lost_list_is_ignored(job: Any, torch_served: Any) -> None:
     handlers, infos = job
-    torch_served.set(JOB + "rdzv/" + R.lost_key(0), json.dumps(infos[0].members))
+    torch_served.set(JOB + "rdzv/" + R.lost_key(0), json.dumps(by_rank(infos)))
     bump_events(torch_served)
     # Nobody is lost, nobody fenced (lost_nodes raises for a node declared lost).
     assert quiet_for(1.5, lambda: all(h.lost_nodes() == [] for h in handlers))
@@ -134,7 +135,7 @@ def test_garbage_events_stop_no_monitor(job: Any, torch_served: Any) -> None:
     assert quiet_for(1.0, lambda: all(h.lost_nodes() == [] for h in handlers))
     # Still watching: a real departure is seen (its note repairs the counter).
     handlers[1].leave()
-    assert wait_until(lambda: handlers[0].lost_nodes() == [infos[1].members[infos[1].rank]], 10)
+    assert wait_until(lambda: handlers[0].lost_nodes() == [infos[1].node_id], 10)
 
 
 def test_a_forged_abandoned_round_is_ignored(job: Any, torch_served: Any) -> None:
@@ -190,8 +191,9 @@ def test_a_forged_join_cannot_take_rank_0(torch_served: Any, make: Make) -> None
     slot = torch_served.add(JOB + "rdzv/" + R.count_key(0), 1)
     forged = {"id": "evil:1:x", "host": "evil", "addr": "10.9.9.9", "port": 1, "round": 0}
     torch_served.set(JOB + "rdzv/" + R.join_key(0, slot), json.dumps({**forged, "rank_hint": 0}))
-    infos = rendezvous_all([make(), make()])
-    assert "evil:1:x" not in infos[0].members
+    handlers = [make(), make()]
+    infos = rendezvous_all(handlers)
+    assert "evil:1:x" not in round_members(handlers[0], infos[0])
     assert {i.master_addr for i in infos} == {"127.0.0.1"}
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from elastic.core.interfaces.rendezvous import RendezvousStateError
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore import TCPStoreServer
@@ -48,7 +49,7 @@ host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 store = PrefixStore(Connection(host, port, timeout=30.0), "job/")
 store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
 monitor = Monitor(store, "b", interval={INTERVAL}, timeout={TIMEOUT})
-monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
+monitor.set_round(R.Assignment(round=0, state="formed", size=2, first="a"), rank=1)
 monitor.start()
 print("ready", flush=True)
 end, last = time.time() + seconds, None
@@ -76,7 +77,7 @@ def member_monitor(port: int, interval: float, timeout: float) -> tuple[Monitor,
     store = PrefixStore(conn, "job/")
     store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
     monitor = Monitor(store, "b", interval=interval, timeout=timeout)
-    monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
+    monitor.set_round(R.Assignment(round=0, state="formed", size=2, first="a"), rank=1)
     monitor.start()
     return monitor, conn
 
@@ -190,9 +191,10 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
     monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[[str, int], list[Any]]
 ) -> None:
     """Four fresh c10d handlers form a round: one slot, one join record and (but for the
-    coordinator) one WAIT each, and one keep-alive each, right after the round formed (a
-    node that never was a member sends none before; the round's outcome counts as the
-    lease's first acknowledgement, so none is sent on the way and none twice)."""
+    coordinator) one WAIT each, the coordinator's roster, and one keep-alive each, right
+    after the round formed (a node that never was a member sends none before; the round's
+    outcome counts as the lease's first acknowledgement, so none is sent on the way and
+    none twice)."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = 4
@@ -203,7 +205,7 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
     formed = time.monotonic()
     (job,) = [Counter(c) for c in counts.values() if c["ADD"]]
     print("requests forming the round:", dict(job))
-    assert job["ADD"] == n and job["SET"] == n
+    assert job["ADD"] == n and job["SET"] == n + 1
     # The coordinator may wait for a slot whose record is being written.
     assert n - 1 <= job["WAIT"] <= n + 2, job
     # A heartbeat is "<keep-alives sent> <time>"; the next is due a period (1 s) on.
@@ -345,7 +347,7 @@ def test_a_store_paused_for_three_seconds_fences_nobody(
     monitor = Monitor(store, "b", interval=1.0, timeout=5.0, lease_store=lease_store)
     try:
         store.heartbeat("rdzv/" + R.hb_key("a"), "1 0")
-        monitor.set_round(R.Assignment(round=0, state="formed", members=["a", "b"]), rank=1)
+        monitor.set_round(R.Assignment(round=0, state="formed", size=2, first="a"), rank=1)
         monitor.start()
         time.sleep(1.5)
         proc.send_signal(signal.SIGSTOP)
@@ -364,3 +366,55 @@ def test_a_store_paused_for_three_seconds_fences_nobody(
         if backend == "c10d":
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_first_round_s_outcome_does_not_grow_with_the_round(
+    c10d_job: Callable[[str, int], list[Any]],
+) -> None:
+    """Every node reads the outcome: a first round's is the same size for 2 nodes as for
+    20 (rank 0, the world size, one run of ranks by slot, at most ``SUCCESSORS``
+    standbys), while the roster, which only rank 0, the next coordinator and ``status``
+    read, names every member by rank."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = {}
+    for n in (2, 20):
+        handlers = c10d_job(f"outcome-{n}", n)
+        with ThreadPoolExecutor(n) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        (raw,) = handlers[0].rdzv_store.multi_get([R.assignment_key(0)])
+        outcome = json.loads(raw)
+        # Every member but the store's host keeps a standby; the outcome names 16 at most.
+        assert len(outcome.pop("successors")) == min(n - 1, R.SUCCESSORS)
+        sizes[n] = len(json.dumps(outcome))
+        roster = handlers[0].protocol.roster(0)
+        assert roster.members == [i.node_id for i in sorted(infos, key=lambda i: i.rank)]
+        assert len(roster.standbys) == len(roster.hosts) == n
+        assert {i.world_size for i in infos} == {n}
+    # Digits of counts and ports may differ; a member's id alone is over 20 bytes.
+    assert abs(sizes[20] - sizes[2]) < 20, sizes
+
+
+def test_ranks_by_join_slot_survive_the_outcome_s_round_trip() -> None:
+    """``Assignment.ranks``: runs of [first slot, rank, count] from which a node finds its
+    rank by its join slot; slots no member holds (a foreign record, a clash) have none."""
+    import random
+
+    rng = random.Random(7)
+    for n in (1, 2, 5, 64):
+        slots = rng.sample(range(1, 3 * n + 1), n)  # by rank; gaps between them
+        for order in (sorted(slots), slots):
+            asg = R.Assignment(0, "formed", size=n, ranks=R.rank_runs(order))
+            asg = R.Assignment.from_json(asg.to_json().encode(), "k", 0)
+            assert [asg.rank_of(slot) for slot in order] == list(range(n))
+            assert all(asg.rank_of(s) is None for s in range(3 * n + 2) if s not in order)
+    assert R.rank_runs(list(range(1, 1025))) == [[1, 0, 1024]]  # a first round: one run
+    for bad in ('[["1", 0, 2]]', "[[1, 0]]", '"x"'):
+        raw = f'{{"round": 0, "state": "formed", "size": 2, "ranks": {bad}}}'.encode()
+        if bad == "[[1, 0]]":  # too short: no rank from it, not an error
+            assert R.Assignment.from_json(raw, "k", 0).rank_of(1) is None
+            continue
+        with pytest.raises(RendezvousStateError):
+            R.Assignment.from_json(raw, "k", 0)

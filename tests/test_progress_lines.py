@@ -201,7 +201,7 @@ def test_the_coordinator_names_only_members_it_still_waits_for() -> None:
         lines = RoundProgress(said.append, 2, 5, time.monotonic() + 600)
         lines.started -= 10  # past the first line's and the first record's delays
         lines._next_line = 0.0
-        prev = R.Assignment(0, "formed", members=["a", "b", "c", "d"], hosts=list("ABCD"))
+        prev = R.Roster(0, members=["a", "b", "c", "d"], hosts=list("ABCD"))
         lines.coordinating(store, 1, [{"id": "a"}, {"id": "b"}], prev, {"a", "b", "c"})
         assert said and "missing C (from the last round)" in said[-1], said
         published = Forming.from_json(store.get(R.progress_key(1)))
@@ -209,3 +209,32 @@ def test_the_coordinator_names_only_members_it_still_waits_for() -> None:
     finally:
         conn.close()
         server.close()
+
+
+def test_the_round_line_names_who_left_and_came_as_the_coordinator_counted() -> None:
+    """The coordinator works out the change from the last round's roster to the new one
+    (names for at most ``MAX_NAMES`` nodes, complete counts); each node's line says it."""
+    from elastic.core.interfaces.rendezvous import RendezvousInfo
+    from elastic.core.rendezvous.round import records as R
+    from elastic.core.rendezvous.round.progress_lines import membership_change, round_line
+
+    old = R.Roster(3, members=[f"n{i}" for i in range(12)], hosts=[f"h{i}" for i in range(12)])
+    new = R.Roster(4, members=["n0", "x", "y"], hosts=["h0", "hx", "h0"])
+    change = membership_change(old, new)
+    assert change is not None
+    assert (change.left_count, change.came_count) == (11, 2)
+    assert change.left == [f"h{i}" for i in range(1, 9)]  # MAX_NAMES of them
+    assert change.came == ["hx", "y"]  # "y" shares h0 with n0: named by its id
+    prev = RendezvousInfo(None, 1, 12, "h", 1, round=3)  # type: ignore[arg-type]
+    info = RendezvousInfo(None, 2, 3, "h", 1, round=4, change=change)  # type: ignore[arg-type]
+    line = round_line(prev, info)
+    assert line == (
+        "elastic: round 4 formed: 3 nodes (was 12); left: h1, h2, h3, h4, h5, h6, h7, h8 "
+        "and 3 more; came: hx, y; this node is rank 2"
+    )
+    same = RendezvousInfo(None, 0, 3, "h", 1, round=5, change=membership_change(new, new))  # type: ignore[arg-type]
+    assert (
+        round_line(info, same)
+        == "elastic: round 5 formed: 3 nodes (the same nodes); this node is rank 0"
+    )
+    assert membership_change(None, new) is None  # the job's first round

@@ -380,8 +380,8 @@ class LocalElasticAgent(ElasticAgent):
         """Start this round's workers; an error line when they cannot all start."""
         spec, group = self._spec, self._group
         place_group(group, info, restarts)
-        if info.members and 0 <= info.rank < len(info.members):
-            self._node_id = info.members[info.rank]
+        if info.node_id:
+            self._node_id = info.node_id
         run_id = self._handler.get_run_id()
         try:
             if self._layout is None:

@@ -201,6 +201,17 @@ class RendezvousParameters:
 
 
 @dataclass
+class MembershipChange:
+    """Who left the job and who came since its last round, named for a log line (at
+    most a few names each; the counts are complete)."""
+
+    left: list[str] = field(default_factory=list)
+    came: list[str] = field(default_factory=list)
+    left_count: int = 0
+    came_count: int = 0
+
+
+@dataclass
 class RendezvousInfo:
     """The outcome of one rendezvous round, as seen by one node.
 
@@ -218,8 +229,14 @@ class RendezvousInfo:
     master_addr: str
     master_port: int
     round: int = 0
-    members: list[str] = field(default_factory=list)  # node ids, indexed by rank
-    hosts: list[str] = field(default_factory=list)  # their hostnames, by rank (empty: unknown)
+    node_id: str = ""  # this node's id in the job ("": the backend names no nodes)
+    # Who left and came since the job's last round (None: its first, or not known).
+    change: MembershipChange | None = None
+    # Every member's node id and hostname by rank, from a backend that hands them out (the
+    # static one); a round-based backend does not: a round of N would send N ids to each
+    # of N nodes (``elastic status`` lists them).
+    members: list[str] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
 
 
 @dataclass

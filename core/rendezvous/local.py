@@ -53,6 +53,7 @@ class LocalRendezvousHandler(RendezvousHandler):
                 master_addr=self._master_addr,
                 master_port=free_port(self._local_addr or "127.0.0.1"),
                 round=self._round,
+                node_id=self.node_id,
                 members=[self.node_id],
             )
 

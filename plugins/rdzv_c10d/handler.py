@@ -4,9 +4,10 @@ machine owns the endpoint's address hosts.
 The store moves when its host leaves on notice (preemption, scale-in, Ctrl-C): every
 other agent keeps an empty standby store (marked with ``STANDBY_KEY``) and publishes its
 address in its join records; the leaving host writes its departure, stops serving, copies
-every key to the first standby of the round's members in rank order and removes that
-store's mark. The others' connections find it there (``Connection.find_moved_store``:
-the round's standbys in the same order, skipping marked ones) and the job regroups
+every key to the first standby of the round's members in rank order (the outcome names
+the first ``SUCCESSORS``) and removes that store's mark. The others' connections find it
+there (``Connection.find_moved_store``: the same standbys in the same order, skipping
+marked ones) and the job regroups
 without the host, spending no restart. A host that dies without notice takes the store
 with it (the others exit with one line); a late joiner knows only ``--rdzv-endpoint``, so
 it cannot find a store that moved.
@@ -237,7 +238,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         return standby is not None and not standby.holds(wire_key(STANDBY_KEY))
 
     def round_formed(self, asg: R.Assignment) -> None:
-        successors = Successors(self._candidates, asg.standbys)
+        successors = Successors(self._candidates, asg.successors)
         for conn in self._conns:
             conn.successors = successors
 
@@ -251,8 +252,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
 
         The standby is told it is receiving before this store stops answering, so the
         others' connections wait for it rather than take our closing for a death."""
-        pairs = zip(asg.members, asg.standbys, strict=False)
-        standbys = [s for member, s in pairs if s and member != self.node_id]
+        mine = self.protocol.node.get("standby")
+        standbys = [s for s in asg.successors if s and s != mine]
         # A candidate endpoint first: a node joining later finds the store there.
         candidates = {net.join_host_port(h, p) for h, p in self._candidates}
         standbys.sort(key=lambda s: s not in candidates)
@@ -304,10 +305,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
 
 
 class Successors(Sequence[tuple[str, int]]):
-    """Where the store may have moved: the candidate endpoints, then the round's standbys
-    in rank order. Worked out on first use, when a connection looks for a moved store: a
-    round's N standbys are parsed by nobody while the store stays put, rather than by
-    every node when the round forms (N^2 in all for N handlers sharing a process)."""
+    """Where the store may have moved: the candidate endpoints, then the round's first
+    standbys in rank order (``Assignment.successors``). Worked out on first use, when a
+    connection looks for a moved store: nobody parses them while the store stays put."""
 
     def __init__(self, candidates: list[tuple[str, int]], standbys: list[str]) -> None:
         self._candidates, self._standbys = candidates, standbys

@@ -191,6 +191,7 @@ class StaticRendezvousHandler(RendezvousHandler):
             master_addr=assignment["master_addr"],
             master_port=assignment["master_port"],
             round=round_,
+            node_id=self.node_id,
             members=list(assignment["members"]),
         )
 

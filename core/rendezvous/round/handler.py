@@ -154,7 +154,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         told = False
         while True:
             try:
-                asg = self.protocol.next_round()
+                asg, rank = self.protocol.next_round()
+                # Rank 0 watches every member: it alone reads the round's roster.
+                members = self.protocol.roster(asg.round).members if rank == 0 else []
                 break
             except StoreTimeoutError as exc:  # an operation that should be instant hung
                 raise RendezvousConnectionError(
@@ -178,19 +180,18 @@ class RoundRendezvousHandler(RendezvousHandler):
                     told = True
                 time.sleep(RETRY_PAUSE)
         self._live_monitor()  # a store lost meanwhile is an error, not a round
-        rank = asg.members.index(self.node_id)
         self._current = asg
-        monitor.set_round(asg, rank, self.protocol.outcome_sent)
+        monitor.set_round(asg, rank, self.protocol.outcome_sent, members)
         self.round_formed(asg)
         return RendezvousInfo(
             store=self.job_store,
             rank=rank,
-            world_size=len(asg.members),
+            world_size=asg.size,
             master_addr=asg.master_addr,
             master_port=asg.master_port,
             round=asg.round,
-            members=list(asg.members),
-            hosts=list(asg.hosts),
+            node_id=self.node_id,
+            change=asg.change,
         )
 
     def is_closed(self) -> bool:
@@ -293,7 +294,10 @@ class RoundRendezvousHandler(RendezvousHandler):
         asg = self._current
         if asg is None:
             return
-        others = [m for m in asg.members if m != self.node_id]
+        try:
+            others = [m for m in self.protocol.roster(asg.round).members if m != self.node_id]
+        except Exception:  # the store is gone: nothing to wait for
+            return
         tracker = LivenessTracker(self.settings.heartbeat_timeout, 0.2)
         deadline = time.monotonic() + timeout
         while others and time.monotonic() < deadline:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastic.core.interfaces.coordination import CoordinationStore
@@ -190,6 +191,7 @@ class Monitor:
         # What to watch: the round we are a member of, or a forming round's coordinator.
         self._round: R.Assignment | None = None
         self._rank: int | None = None
+        self._others: list[str] = []  # rank 0: the round's other members, whom it watches
         self._tracker = LivenessTracker(timeout, interval)
         self._watch: tuple[int, str] | None = None
         # Abandoning a forming round makes every node join again, so a coordinator gets
@@ -242,12 +244,18 @@ class Monitor:
             return self._job_values
 
     def set_round(
-        self, asg: R.Assignment | None, rank: int | None, outcome_sent: float | None = None
+        self,
+        asg: R.Assignment | None,
+        rank: int | None,
+        outcome_sent: float | None = None,
+        members: Sequence[str] = (),
     ) -> None:
         """The round this node is a member of (None: none runs); ``outcome_sent``: when
-        the request that brought its outcome was sent (``Lease.arm``)."""
+        the request that brought its outcome was sent (``Lease.arm``); ``members``: the
+        round's, by rank, which rank 0 watches (the others watch only rank 0)."""
+        others = [m for m in members if m != self.node_id] if rank == 0 else []
         with self._lock:
-            self._round, self._rank = asg, rank
+            self._round, self._rank, self._others = asg, rank, others
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
             self._events_seen, self._published = None, []
@@ -267,14 +275,14 @@ class Monitor:
             old.stop()
         self.lease.arm(asg is not None, outcome_sent)
         if rank == 0 and asg is not None and self._presence is not None:
-            self._presence.watch(m for m in asg.members if m != self.node_id)
+            self._presence.watch(others)
 
     def _connect_presence(self) -> None:
         with self._lock:
             asg, self._connect_in = self._connect_in, None
         if asg is None:
             return
-        rank0 = asg.members[0]
+        rank0 = asg.first
         client = PresenceClient(
             asg.master_addr, asg.presence_port, self._hello, lambda: self._died(asg, rank0)
         )
@@ -374,13 +382,14 @@ class Monitor:
         self._connect_presence()
         with self._lock:
             asg, rank, watch, job_keys = self._round, self._rank, self._watch, self._job_keys
+            others = self._others
         if watch is not None:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
             return  # between rounds the protocol itself sees closing and new rounds
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
-        targets = [m for m in asg.members if m != self.node_id] if rank == 0 else asg.members[:1]
+        targets = others if rank == 0 else [asg.first]
         with self._lock:
             closed, waiting, seen = self.closed, self.waiting, self._events_seen
         # The round's facts are read again when the events count moved; on a round's

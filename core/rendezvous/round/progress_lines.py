@@ -31,7 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.core.interfaces.coordination import CoordinationStore
-from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousInfo
+from elastic.core.interfaces.rendezvous import (
+    MembershipChange,
+    RendezvousError,
+    RendezvousInfo,
+)
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.log import say
 from elastic.core.rendezvous.round import records as R
@@ -156,7 +160,7 @@ class RoundProgress:
         store: CoordinationStore,
         rnd: int,
         joined: Sequence[Mapping[str, Any]],
-        prev: R.Assignment | None,
+        prev: R.Roster | None,
         expected: Set[str] = frozenset(),
     ) -> None:
         """The coordinator, each poll: publish who joined when it changed (after the
@@ -211,6 +215,25 @@ class RoundProgress:
             )
 
 
+def membership_change(prev: R.Roster | None, roster: R.Roster) -> MembershipChange | None:
+    """Who left and who came from ``prev`` (the job's last round; None: this is its
+    first) to ``roster``, named for ``round_line`` (hostnames, node ids where needed)."""
+    if prev is None:
+        return None
+    old, new = set(prev.members), set(roster.members)
+    left = [m for m in prev.members if m not in new]
+    came = [m for m in roster.members if m not in old]
+    hosts = dict(zip(prev.members, prev.hosts, strict=False))
+    hosts.update(zip(roster.members, roster.hosts, strict=False))
+    names = labels(list(dict.fromkeys([*prev.members, *roster.members])), hosts)
+    return MembershipChange(
+        left=[names[m] for m in left[:MAX_NAMES]],
+        came=[names[m] for m in came[:MAX_NAMES]],
+        left_count=len(left),
+        came_count=len(came),
+    )
+
+
 def round_line(prev: RendezvousInfo | None, info: RendezvousInfo) -> str | None:
     """The line for a round that just formed, or None when it says nothing new: a
     single node (standalone) whose round is the same one node as before."""
@@ -219,19 +242,18 @@ def round_line(prev: RendezvousInfo | None, info: RendezvousInfo) -> str | None:
     head = f"elastic: round {info.round} formed: {size} node{'s' if size != 1 else ''}"
     if prev is None:
         return None if size <= 1 else f"{head}; {where}"
-    old, new = prev.members, info.members
-    left = [m for m in old if m not in new]
-    came = [m for m in new if m not in old]
-    if not (old and new):  # a backend that does not name its members
+    change = info.change
+    if change is None and prev.members and info.members:  # a backend that lists members
+        change = membership_change(
+            R.Roster(0, prev.members, prev.hosts), R.Roster(0, info.members, info.hosts)
+        )
+    if change is None:  # a backend that does not name its members
         if size == prev.world_size:
             return None if size <= 1 else f"{head}; {where}"
         return f"{head} (was {prev.world_size}); {where}"
-    if not left and not came:
+    if not change.left_count and not change.came_count:
         return None if size <= 1 else f"{head} (the same nodes); {where}"
-    hosts = dict(zip(old, prev.hosts, strict=False))
-    hosts.update(zip(new, info.hosts, strict=False))
-    names = labels(list(dict.fromkeys([*old, *new])), hosts)
     return (
-        f"{head} (was {prev.world_size}); left: {name_list([names[m] for m in left])}; "
-        f"came: {name_list([names[m] for m in came])}; {where}"
+        f"{head} (was {prev.world_size}); left: {name_list(change.left, change.left_count)}; "
+        f"came: {name_list(change.came, change.came_count)}; {where}"
     )

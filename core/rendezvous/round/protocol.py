@@ -30,7 +30,7 @@ from elastic.core.rendezvous.fingerprint import describe_differences, difference
 from elastic.core.rendezvous.net import free_port
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import LivenessTracker, note_event, read_lost
-from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say
+from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say, membership_change
 from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.rendezvous.round.signing import wait_present
 
@@ -73,6 +73,8 @@ class RoundProtocol:
         self.outcome_sent: float | None = None
         # Slot 1's join record of a round, as read with the round's state (b"": not yet).
         self._first_slots: dict[int, bytes] = {}
+        self._member_of = -1  # the newest round this node is a member of
+        self._rosters: dict[int, R.Roster] = {}  # rounds' rosters as published or read
 
     # -- reading state ----------------------------------------------------------------
     def full(self, key: str) -> str:
@@ -132,6 +134,22 @@ class RoundProtocol:
             return None
         return R.Assignment.from_json(raw, self.full(R.assignment_key(rnd)), rnd)
 
+    def roster(self, rnd: int) -> R.Roster:
+        """Formed round ``rnd``'s members by rank: one read, or none where this node
+        published it (the coordinator) or read it before."""
+        roster = self._rosters.get(rnd)
+        if roster is None:
+            key = R.roster_key(rnd)
+            (raw,) = self.store.multi_get([key])
+            if not raw:  # written before the outcome: absent is foreign, or a bug
+                raise RendezvousStateError(
+                    f"round {rnd} formed but {self.full(key)!r} holds no roster for this job"
+                )
+            roster = R.Roster.from_json(raw, self.full(key), rnd)
+            self._rosters = {k: v for k, v in self._rosters.items() if k >= rnd - 1}
+            self._rosters[rnd] = roster
+        return roster
+
     def read_lost(self, rnd: int) -> list[str]:
         return read_lost(self.store, rnd)
 
@@ -157,13 +175,18 @@ class RoundProtocol:
             f"the rendezvous of run {self.run_id!r} is closed (the job has finished)"
         )
 
-    def publish(self, rnd: int, asg: R.Assignment) -> R.Assignment:
-        """compare_set the round's outcome; returns whichever outcome won."""
+    def publish(self, rnd: int, asg: R.Assignment, roster: R.Roster | None = None) -> R.Assignment:
+        """compare_set the round's outcome (a formed one's ``roster`` first, so whoever
+        reads the outcome finds it); returns whichever outcome won."""
+        if roster is not None:
+            self.store.set(R.roster_key(rnd), roster.to_json())
         desired = asg.to_json().encode()
         sent = time.monotonic()
         held = self.store.compare_set(R.assignment_key(rnd), "", desired)
         self.outcome_sent = sent
         if held == desired:
+            if roster is not None:
+                self._rosters[rnd] = roster
             return asg
         return R.Assignment.from_json(held, self.full(R.assignment_key(rnd)), rnd)
 
@@ -194,7 +217,8 @@ class RoundProtocol:
                 raise RendezvousMismatchError(describe_differences(diffs), diffs)
         self._admitted = True
 
-    def next_round(self) -> R.Assignment:
+    def next_round(self) -> tuple[R.Assignment, int]:
+        """Join rounds until one forms with this node in it: its outcome and our rank."""
         if not self._admitted and self.node.get("fp"):
             self._raise_if_closed()  # a closed job says so before refusing a mismatch
         self.check_fingerprint()
@@ -210,7 +234,7 @@ class RoundProtocol:
                 target = rnd + 1
             elif asg.state == "abandoned":
                 target = rnd + 1
-            elif self.node_id in asg.members or len(asg.members) < self.s.max_nodes:
+            elif rnd == self._member_of or asg.size < self.s.max_nodes:
                 # A member asking again wants a new round; a newcomer to a job with room
                 # joins the next one, which members see as num_nodes_waiting() > 0.
                 target = rnd + 1
@@ -241,7 +265,7 @@ class RoundProtocol:
             f"{self.s.join_timeout:g}s: {why}"
         )
 
-    def _join(self, rnd: int, deadline: float) -> R.Assignment | None:
+    def _join(self, rnd: int, deadline: float) -> tuple[R.Assignment, int] | None:
         record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
         slot = self.store.add(R.count_key(rnd), 1)
         self.store.set(R.join_key(rnd, slot), R.dumps(record))
@@ -264,18 +288,23 @@ class RoundProtocol:
             except BaseException:
                 self._phase(None, False)
                 raise
+        rank = asg.rank_of(slot) if asg.state == "formed" else None
+        if found is not None:
             # Formed with us: quiet until the round's first keep-alive (``Lease.arm``),
             # so one goes out, not two at once.
-            self._phase(None, asg.state == "formed" and self.node_id in asg.members)
+            self._phase(None, rank is not None)
         if asg.state == "closed":
             self._raise_if_closed()
-        if asg.state != "formed" or self.node_id not in asg.members:
+        if rank is None:
             return None  # abandoned, or formed without us: go round again
-        return asg
+        self._member_of = rnd
+        return asg, rank
 
     def _read_slots(self, rnd: int, first: int, last: int) -> list[dict[str, Any]]:
-        """The valid join records in slots first..last, in slot order."""
-        keys = [R.join_key(rnd, i) for i in range(first, last + 1)]
+        """The valid join records in slots first..last, in slot order, each with its
+        ``slot`` (as the key says, whatever the record does)."""
+        slots = range(first, last + 1)
+        keys = [R.join_key(rnd, i) for i in slots]
         if not keys:
             return []
         values = dict(zip(keys, self.store.multi_get(keys), strict=True))
@@ -286,26 +315,27 @@ class RoundProtocol:
             except StoreTimeoutError:
                 pass  # a joiner died between add and set: its slot reads empty, is skipped
             values.update(zip(missing, self.store.multi_get(missing), strict=True))
-        records = (self._join_record(key, raw, rnd) for key, raw in values.items())
+        records = (self._join_record(rnd, i, values[k]) for i, k in zip(slots, keys, strict=True))
         return [record for record in records if record is not None]
 
-    def _join_record(self, key: str, raw: bytes, rnd: int) -> dict[str, Any] | None:
-        """The join record read at ``key``; None when absent, foreign (not signed for
-        this job and slot) or malformed (said once, here)."""
+    def _join_record(self, rnd: int, slot: int, raw: bytes) -> dict[str, Any] | None:
+        """The join record read at ``slot``, with its slot; None when absent, foreign
+        (not signed for this job and slot) or malformed (said once, here)."""
         if not raw:
             return None
-        record = R.loads(raw, self.full(key))
+        key = self.full(R.join_key(rnd, slot))
+        record = R.loads(raw, key)
         if not R.valid_join(record, rnd):
-            log.warning("ignoring malformed join record at %s", self.full(key))
+            log.warning("ignoring malformed join record at %s", key)
             return None
-        return record
+        return dict(record, slot=slot)
 
     def _find_coordinator(self, rnd: int, slot: int) -> tuple[int, str] | None:
         """(slot, node id) of the lowest valid slot, the coordinator; None when it is us."""
         first = self._first_slots.pop(rnd, b"")
         for i in range(1, slot):
             if i == 1 and first:  # read with the round's state (``_round_state``)
-                record = self._join_record(R.join_key(rnd, 1), first, rnd)
+                record = self._join_record(rnd, 1, first)
                 found = [record] if record is not None else []
             else:
                 found = self._read_slots(rnd, i, i)
@@ -370,7 +400,8 @@ class RoundProtocol:
 
     def _coordinate(self, rnd: int, deadline: float) -> R.Assignment:
         prev = self.last_formed(rnd - 1)
-        prev_members = prev.members if prev is not None else []
+        prev_roster = self.roster(prev.round) if prev is not None else None
+        prev_members = prev_roster.members if prev_roster is not None else []
         # Survivors of the last round we are waiting for; once all are here there is
         # nobody known to wait for, so the last call is skipped (fast re-forming). A
         # member that departs meanwhile is added to the last round's lost list and bumps
@@ -402,7 +433,7 @@ class RoundProtocol:
                     "node (ids: %s)", rnd, len(joined) - len(ids), R.repeated_ids(joined)
                 )  # fmt: skip
             if self._lines is not None:
-                self._lines.coordinating(self.store, rnd, joined, prev, expected)
+                self._lines.coordinating(self.store, rnd, joined, prev_roster, expected)
             now = time.monotonic()
             ready = len(ids) >= self.s.max_nodes
             if len(ids) >= self.s.min_nodes:
@@ -426,10 +457,18 @@ class RoundProtocol:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
         chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
+        roster = R.Roster(
+            round=rnd,
+            members=[rec["id"] for rec in chosen],
+            hosts=[_text(rec.get("host")) for rec in chosen],
+            standbys=[_text(rec.get("standby")) for rec in chosen],
+        )
         asg = R.Assignment(
             round=rnd,
             state="formed",
-            members=[rec["id"] for rec in chosen],
+            size=len(chosen),
+            first=chosen[0]["id"],
+            ranks=R.rank_runs([rec["slot"] for rec in chosen]),
             master_addr=chosen[0]["addr"],
             master_port=chosen[0]["port"],
             formed_at=time.time(),
@@ -437,11 +476,9 @@ class RoundProtocol:
             fingerprint=dict(chosen[0].get("fp") or {}),
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
-            hosts=[str(rec.get("host", "")) for rec in chosen],
             presence_port=_port(chosen[0].get("presence")),
-            standbys=[
-                rec["standby"] if isinstance(rec.get("standby"), str) else "" for rec in chosen
-            ],
+            successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
+            change=membership_change(prev_roster, roster),
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",
@@ -451,7 +488,7 @@ class RoundProtocol:
             asg.master_addr,
             asg.master_port,
         )
-        return self.publish(rnd, asg)
+        return self.publish(rnd, asg, roster)
 
 
 def _counter(raw: bytes) -> int:

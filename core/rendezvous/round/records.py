@@ -12,7 +12,14 @@ job prefix), the same on every coordination store::
                           (its workers finished the job) or "left" (it departed)
     r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
     r/<n>/join/<slot>     the join record of that slot (JSON)
-    r/<n>/assignment      the outcome: formed / abandoned / closed (JSON, compare_set once)
+    r/<n>/assignment      the outcome every node reads: formed / abandoned / closed, and
+                          for a formed round what a node needs to start (its rank by its
+                          join slot, the world size, the master): O(1) in the round's size
+                          for a first round (JSON, compare_set once)
+    r/<n>/roster          a formed round's members by rank: node ids, hosts, standbys
+                          (JSON, written before the outcome); read only by those that need
+                          every member (rank 0, the next round's coordinator, ``status``),
+                          so a round of N does not send N ids to each of N nodes
     r/<n>/lost            members of round n found dead or departed (JSON list)
     r/<n>/progress        while round n forms: who joined, who is missing (the coordinator's,
                           for the others' waiting lines; ``progress_lines.py``)
@@ -34,7 +41,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from elastic.core.interfaces.rendezvous import RendezvousStateError
+from elastic.core.interfaces.rendezvous import MembershipChange, RendezvousStateError
 from elastic.core.rendezvous.round.signing import mac
 
 log = logging.getLogger(__name__)
@@ -98,6 +105,10 @@ def join_key(rnd: int, slot: int) -> str:
 
 def assignment_key(rnd: int) -> str:
     return f"r/{rnd}/assignment"
+
+
+def roster_key(rnd: int) -> str:
+    return f"r/{rnd}/roster"
 
 
 def lost_key(rnd: int) -> str:
@@ -164,15 +175,21 @@ def valid_join(record: Any, rnd: int) -> bool:
 
 
 STATES = ("formed", "abandoned", "closed")
+SUCCESSORS = 16  # standbys an outcome names, in rank order (where the job's store may move)
 
 
 @dataclass
 class Assignment:
-    """One round's published outcome; ``members`` are node ids indexed by node rank."""
+    """One round's published outcome, as every node reads it. A formed round names rank
+    0 (``first``) and the world size, not every member (that is the ``Roster``): a
+    node finds its rank from its join slot in ``ranks``, runs of ``[first slot, its
+    rank, count]`` (one run when the ranks follow the slots, as in a first round)."""
 
     round: int
     state: str  # "formed", "abandoned" (re-join the next round) or "closed"
-    members: list[str] = field(default_factory=list)
+    size: int = 0  # nodes in the round
+    first: str = ""  # rank 0's node id
+    ranks: list[list[int]] = field(default_factory=list)
     master_addr: str = ""
     master_port: int = 0
     formed_at: float = 0.0
@@ -180,11 +197,19 @@ class Assignment:
     fingerprint: dict[str, str] = field(default_factory=dict)  # rank 0's: the job's
     min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
     max_nodes: int = 0
-    hosts: list[str] = field(default_factory=list)  # the members' hostnames, by node rank
     presence_port: int = 0  # rank 0's presence port (presence.py) at master_addr; 0: none
-    # By node rank: where each member keeps a store ready to take over the job's (c10d's
-    # handover, "host:port"), "" for none.
-    standbys: list[str] = field(default_factory=list)
+    # Where the job's store may move (c10d's handover): the first ``SUCCESSORS`` members'
+    # standby stores, "host:port", in rank order.
+    successors: list[str] = field(default_factory=list)
+    change: MembershipChange | None = None  # since the job's last round; None: its first
+
+    def rank_of(self, slot: int) -> int | None:
+        """The node rank of whoever joined this round at ``slot``; None: not a member."""
+        for run in self.ranks:
+            if len(run) == 3 and run[0] <= slot < run[0] + run[2]:
+                rank = run[1] + slot - run[0]
+                return rank if 0 <= rank < self.size else None
+        return None
 
     def to_json(self) -> str:
         return dumps(asdict(self))
@@ -195,12 +220,21 @@ class Assignment:
         or state is not this round's outcome (a copy from elsewhere)."""
         record = loads(raw, key)
         try:
-            # Fields a newer version added are ignored.
-            known = {f.name for f in fields(cls)}
             if not isinstance(record, dict):
                 raise TypeError
-            asg = cls(**{k: v for k, v in record.items() if k in known})
-        except TypeError:
+            asg = cls(**_known(cls, record))
+            if asg.change is not None:
+                change = asg.change = MembershipChange(**_known(MembershipChange, asg.change))
+                if not (_strings(change.left) and _strings(change.came)):
+                    raise TypeError
+                if not _ints([change.left_count, change.came_count]):
+                    raise TypeError
+            runs_ok = isinstance(asg.ranks, list) and all(
+                isinstance(run, list) and _ints(run) for run in asg.ranks
+            )
+            if not (runs_ok and _ints([asg.size]) and isinstance(asg.first, str)):
+                raise TypeError
+        except (TypeError, AttributeError):
             raise RendezvousStateError(
                 f"rendezvous state key {key!r} is not an assignment: {bytes(raw[:60])!r}"
             ) from None
@@ -210,6 +244,65 @@ class Assignment:
                 f"{asg.state!r}, not one of round {rnd}"
             )
         return asg
+
+
+@dataclass
+class Roster:
+    """A formed round's members, by node rank (``r/<n>/roster``)."""
+
+    round: int
+    members: list[str] = field(default_factory=list)  # node ids
+    hosts: list[str] = field(default_factory=list)  # their hostnames
+    # Where each member keeps a store ready to take over the job's (c10d's handover,
+    # "host:port"), "" for none.
+    standbys: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes, key: str, rnd: int) -> Roster:
+        record = loads(raw, key)
+        try:
+            if not isinstance(record, dict):
+                raise TypeError
+            roster = cls(**_known(cls, record))
+        except TypeError:
+            raise RendezvousStateError(
+                f"rendezvous state key {key!r} is not a roster: {bytes(raw[:60])!r}"
+            ) from None
+        lists = (roster.members, roster.hosts, roster.standbys)
+        if roster.round != rnd or not all(_strings(x) for x in lists):
+            raise RendezvousStateError(
+                f"rendezvous state key {key!r} holds no roster of round {rnd}: {bytes(raw[:60])!r}"
+            )
+        return roster
+
+
+def _known(cls: type, record: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``record`` that ``cls`` has (a newer version's extra ones are ignored)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in record.items() if k in names}
+
+
+def _ints(values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _strings(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(v, str) for v in values)
+
+
+def rank_runs(slots: list[int]) -> list[list[int]]:
+    """``Assignment.ranks`` for members whose join slots, by node rank, are ``slots``."""
+    runs: list[list[int]] = []
+    for slot, rank in sorted((slot, rank) for rank, slot in enumerate(slots)):
+        last = runs[-1] if runs else None
+        if last is not None and slot == last[0] + last[2] and rank == last[1] + last[2]:
+            last[2] += 1
+        else:
+            runs.append([slot, rank, 1])
+    return runs
 
 
 def choose_members(

@@ -103,9 +103,10 @@ def describe(
         status.round_formed_at = formed.formed_at
         if formed.max_nodes:
             status.min_nodes, status.max_nodes = formed.min_nodes, formed.max_nodes
-        beats = store.multi_get([R.hb_key(m) for m in formed.members])
+        members = proto.roster(formed.round).members
+        beats = store.multi_get([R.hb_key(m) for m in members])
         joins = _join_records(store, formed.round)
-        for rank, (node, raw) in enumerate(zip(formed.members, beats, strict=True)):
+        for rank, (node, raw) in enumerate(zip(members, beats, strict=True)):
             status.members.append(_member(rank, node, raw, joins.get(node, {})))
         budget = formed.fingerprint.get("max_restarts", "")
         status.max_restarts = int(budget) if budget.isdigit() else None
