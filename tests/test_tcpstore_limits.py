@@ -391,3 +391,31 @@ def test_a_member_stopped_while_it_connects_says_goodbye(
     client._thread.join(5)
     time.sleep(4 * presence.BLIP_GRACE)
     assert presence_port.gone() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_0_too_busy_to_accept_is_not_taken_for_dead() -> None:
+    """A member's presence connection closes and rank 0's port, still there, does not
+    accept a new one in time (its accept queue is full: a rank 0 starved of CPU): only a
+    refusal says its process is gone, so the member reports nothing and leaves rank 0 to
+    the heartbeats. When nothing listens any more (refused), it does report it."""
+    for busy in (True, False):
+        gone = threading.Event()
+        listener = socket.create_server((HOST, 0), backlog=0)
+        port = listener.getsockname()[1]
+        client = presence.PresenceClient(HOST, port, hello_line(None, "job", "n1"), gone.set)
+        member, _ = listener.accept()
+        # Busy: a connection nobody accepts fills the accept queue (of 1), so the next
+        # connect's SYNs are dropped and it times out. Gone: the port is closed.
+        filler = socket.create_connection((HOST, port)) if busy else None
+        if not busy:
+            listener.close()
+        try:
+            member.close()  # unasked: no goodbye
+            client._thread.join(presence.HELLO_WAIT + 3)
+            assert not client._thread.is_alive()
+            assert gone.is_set() is not busy
+        finally:
+            if filler is not None:
+                filler.close()
+            listener.close()

@@ -237,6 +237,7 @@ class PresenceClient:
         self._on_gone = on_gone
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
+        self._refused = False  # the last connect failed because nothing listened
         self._thread = threading.Thread(target=self._run, name="rdzv-presence-client", daemon=True)
         self._thread.start()
 
@@ -251,11 +252,17 @@ class PresenceClient:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _connect(self) -> socket.socket | None:
+        """A connection to rank 0's port with our hello sent; None when that failed
+        (``_refused``: because rank 0's host answered that nothing listens there)."""
+        self._refused = False
         try:
             sock = socket.create_connection(self._target, timeout=HELLO_WAIT)
             sock.sendall(self._hello)
             sock.settimeout(None)
             return sock
+        except ConnectionRefusedError:
+            self._refused = True
+            return None
         except OSError:
             return None
 
@@ -280,11 +287,15 @@ class PresenceClient:
             if self._stop.is_set() or data:
                 return  # we stopped, or rank 0 left on purpose (and published it)
             deadline = time.monotonic() + BLIP_GRACE
-            sock = None
+            sock, refused = None, True
             while sock is None and time.monotonic() < deadline and not self._stop.is_set():
                 time.sleep(0.05)
                 sock = self._connect()
+                refused = refused and self._refused
             if sock is None:
-                if not self._stop.is_set():
+                # Only refusals say rank 0's process is gone. A connect that timed out
+                # (a rank 0 too busy to accept, a partition) says nothing: the heartbeats
+                # judge it.
+                if refused and not self._stop.is_set():
                     self._on_gone()
                 return
