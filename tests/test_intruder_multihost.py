@@ -67,11 +67,13 @@ while time.monotonic() < deadline:
     try:
         rnd = int(value(store.get("rdzv/round")))
         signed = store.get(f"rdzv/r/{rnd}/assignment")
-        members = json.loads(value(signed))["members"]
+        roster = store.get(f"rdzv/r/{rnd}/roster")
+        members = json.loads(value(roster))["members"]
         forged = {
             "rdzv/closed": json.dumps({"at": time.time(), "by": "intruder"}),
             f"rdzv/r/{rnd}/lost": json.dumps(members),
             f"rdzv/r/{rnd + 1}/assignment": signed,  # replayed into the next round
+            f"rdzv/r/{rnd + 1}/roster": roster,
             f"rdzv/r/{rnd + 1}/join/1": json.dumps(
                 {"id": "intruder:1:x", "host": "intruder", "addr": "198.18.9.9",
                  "port": 1, "round": rnd + 1, "rank_hint": 0}
