@@ -296,7 +296,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             return
         try:
             others = [m for m in self.protocol.roster(asg.round).members if m != self.node_id]
-        except Exception:  # the store is gone: nothing to wait for
+        except Exception:  # the store is gone (or holds no roster): nobody to wait for
             return
         tracker = LivenessTracker(self.settings.heartbeat_timeout, 0.2)
         deadline = time.monotonic() + timeout

@@ -146,9 +146,14 @@ class RoundProtocol:
                     f"round {rnd} formed but {self.full(key)!r} holds no roster for this job"
                 )
             roster = R.Roster.from_json(raw, self.full(key), rnd)
-            self._rosters = {k: v for k, v in self._rosters.items() if k >= rnd - 1}
-            self._rosters[rnd] = roster
+            self._keep_roster(roster)
         return roster
+
+    def _keep_roster(self, roster: R.Roster) -> None:
+        """Remember ``roster``, and the one before it (the next round's coordinator reads
+        it); older ones are dropped, so a long job keeps two."""
+        kept = {k: v for k, v in self._rosters.items() if k >= roster.round - 1}
+        self._rosters = {**kept, roster.round: roster}
 
     def read_lost(self, rnd: int) -> list[str]:
         return read_lost(self.store, rnd)
@@ -186,7 +191,7 @@ class RoundProtocol:
         self.outcome_sent = sent
         if held == desired:
             if roster is not None:
-                self._rosters[rnd] = roster
+                self._keep_roster(roster)
             return asg
         return R.Assignment.from_json(held, self.full(R.assignment_key(rnd)), rnd)
 
