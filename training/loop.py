@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,13 +126,11 @@ def train(
         snapshot = state.capture_snapshot()
         error: BaseException | None = None
         done = False
-        began = time.monotonic()
         try:
             done = bool(train_step(state))
         except Exception as exc:
             error = exc
         heartbeat()  # a step ran: progress for the agent's --stall-timeout
-        regroup.note_step(time.monotonic() - began)
         try:
             # One all_reduce: did any rank fail, finish, see a preemption notice, or is
             # the job re-forming?

@@ -47,6 +47,9 @@ from elastic.training.heartbeat import heartbeat
 # rendezvous, join_timeout: 600 s by default); the agent stops the worker before that.
 ROUND_WAIT = 900.0
 _POLL = 0.005
+# When this worker last passed a step boundary (``membership_changed``); empty before the
+# first. A regroup's wait for the round is not a step: it starts the count again.
+_last_boundary: list[float] = []
 
 
 def opt_in() -> bool:
@@ -60,15 +63,19 @@ def opt_in() -> bool:
 
 def membership_changed() -> bool:
     """True when the job asks its workers to regroup at this step boundary (a node left
-    or joins). Cheap: one read of shared memory; False outside ``elastic run``."""
+    or joins). Cheap: one read of shared memory; False outside ``elastic run``.
+
+    It is called once per step boundary, so the time since the last call is a step's
+    length, agreement and checkpoints included: the agent waits that long (twice, and
+    more) for the workers to reach a boundary, for ``elastic.train`` and for scripts that
+    call this themselves alike."""
     if not opt_in():
         return False
+    now = time.monotonic()
+    if _last_boundary:
+        control.set_mine(STEP_US, int((now - _last_boundary[0]) * 1e6))
+    _last_boundary[:] = [now]
     return control.header(REGROUP_FIELD) > control.mine(JOINED)
-
-
-def note_step(seconds: float) -> None:
-    """The last step's duration: the agent waits that long (and more) for a boundary."""
-    control.set_mine(STEP_US, int(seconds * 1e6))
 
 
 def regroup(*, broken: bool = False) -> tuple[int, int]:
@@ -88,6 +95,7 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
     control.set_mine(BROKEN, 0)
     control.set_mine(SAVED, 0)  # a save on notice belonged to the round that is gone
     rejoin_group()
+    _last_boundary.clear()
     return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
 
 
