@@ -1,0 +1,2 @@
+"""The shared round: the one rendezvous algorithm every dynamic backend runs over a small
+coordination store."""
