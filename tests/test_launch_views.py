@@ -9,6 +9,7 @@ import inspect
 from typing import Any
 
 import pytest
+from elastic.api import launch_config_for
 from elastic.core.agent.loop import LocalElasticAgent
 from elastic.core.launch import views
 from elastic.core.launch.config import LaunchConfig
@@ -125,8 +126,6 @@ def test_the_launchs_own_fields_reach_what_reads_them() -> None:
     assert isinstance(handler, LocalRendezvousHandler)
     plugins = views.plugin_config(config, {}, handler.get_run_id())
     assert plugins.rdzv_backend == handler.get_backend() == "standalone"
-
-    from elastic.api import launch_config_for
 
     torch_style = LaunchConfig(**{**SAMPLE, "standalone": False, "rdzv_configs": {}})
     assert launch_config_for(torch_style).rdzv_configs == {"join_timeout": "120"}

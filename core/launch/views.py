@@ -90,13 +90,13 @@ def flows_into(view: str) -> dict[str, str]:
     return into
 
 
-def taken(
-    config: LaunchConfig, view: str, copy: Mapping[str, Callable[[Any], Any]]
+def values_for(
+    config: LaunchConfig, view: str, convert: Mapping[str, Callable[[Any], Any]]
 ) -> dict[str, Any]:
-    """The values `view` takes from `config`, by the view's field names; `copy` converts
+    """The values `view` takes from `config`, by the view's field names; `convert` changes
     some of them on the way (by LaunchConfig field name)."""
     return {
-        target: copy.get(name, lambda value: value)(getattr(config, name))
+        target: convert.get(name, lambda value: value)(getattr(config, name))
         for name, target in flows_into(view).items()
     }
 
@@ -104,7 +104,7 @@ def taken(
 def rendezvous_parameters(config: LaunchConfig) -> RendezvousParameters:
     """What the rendezvous backend is told about this launch."""
     return RendezvousParameters(
-        **taken(config, "rendezvous", {"rdzv_configs": dict, "fingerprint": dict})
+        **values_for(config, "rendezvous", {"rdzv_configs": dict, "fingerprint": dict})
     )
 
 
@@ -117,7 +117,7 @@ def worker_spec(
     """This node's worker spec, with ``--redirects``/``--tee`` spelled per local rank and
     an environment of its own."""
     nproc = config.nproc_per_node
-    values = taken(
+    values = values_for(
         config,
         "spec",
         {
@@ -135,7 +135,7 @@ def plugin_config(
     """What hook plugins are told about this launch: the run id is the rendezvous
     handler's when it has one (a backend may fill in the job id itself), the plugin
     options their checked values."""
-    values = taken(config, "plugins", {})
+    values = values_for(config, "plugins", {})
     return ElasticConfig(
         **{**values, "run_id": run_id or config.run_id, "plugin_options": plugin_options}
     )
