@@ -154,21 +154,20 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
         elif not endpoint:
             port = 29500 if opts["master_port"] is None else opts["master_port"]
             endpoint = f"{opts['master_addr']}:{port}"
-    if standalone:
-        backend, endpoint = "standalone", ""
-    elif endpoint:
+    if endpoint and not standalone:  # a standalone launch has none (LaunchConfig)
         try:  # several, comma-separated: etcd's members, c10d's candidate store hosts
             for one in endpoint.split(","):
                 parse_endpoint(one.strip(), None)
         except click.BadParameter as exc:
             raise bad("--rdzv-endpoint", exc.message) from None
+    static_rank = backend == "static" and not standalone  # the rank static needs
     return {
         "standalone": standalone,
         "rdzv_backend": backend,
         "rdzv_endpoint": endpoint,
         "rdzv_configs": conf,
         "allow_mismatch": allow_mismatch,
-        "node_rank": opts["node_rank"] if backend == "static" or opts["node_rank"] else None,
+        "node_rank": opts["node_rank"] if static_rank or opts["node_rank"] else None,
     }
 
 

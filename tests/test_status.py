@@ -200,17 +200,32 @@ def test_mismatched_nodes_are_refused_and_allowed_on_purpose(job, tmp_path: Path
     assert allowed.poll() is None
 
 
-def test_watch_redraws_until_interrupted(job: Job, procs: Processes) -> None:
-    job("--rdzv-conf", job.fast)
-    job("--rdzv-conf", job.fast)
-    wait_for_members(job, 2)
-    watcher = procs.elastic(
+def interruptible() -> None:
+    """Run in a watcher's process before it becomes ``elastic``: SIGINT at its default
+    disposition, as a terminal's Ctrl-C finds it. A suite started from a background job
+    (``cmd &`` in a shell without job control) runs with SIGINT ignored; a child keeps
+    that disposition, and Python installs no KeyboardInterrupt for an ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_watcher(job: Job, procs: Processes, **kwargs: object) -> subprocess.Popen[str]:
+    """``elastic status --watch`` on the job, ready to be interrupted by SIGINT."""
+    return procs.elastic(
         "status",
         f"--rdzv-backend={job.backend}",
         f"--rdzv-endpoint={job.endpoint}",
         "--rdzv-id=statusjob",
         "--watch=0.3",
+        preexec_fn=interruptible,
+        **kwargs,
     )
+
+
+def test_watch_redraws_until_interrupted(job: Job, procs: Processes) -> None:
+    job("--rdzv-conf", job.fast)
+    job("--rdzv-conf", job.fast)
+    wait_for_members(job, 2)
+    watcher = start_watcher(job, procs)
     time.sleep(3)
     watcher.send_signal(signal.SIGINT)
     out, err = watcher.communicate(timeout=30)
@@ -234,15 +249,7 @@ def watchers_interrupted(
     for i in range(count):
         out, err = tmp_path / f"watch{i}.out", tmp_path / f"watch{i}.err"
         with out.open("w") as stdout, err.open("w") as stderr:
-            proc = procs.elastic(
-                "status",
-                f"--rdzv-backend={job.backend}",
-                f"--rdzv-endpoint={job.endpoint}",
-                "--rdzv-id=statusjob",
-                "--watch=0.3",
-                stdout=stdout,
-                stderr=stderr,
-            )
+            proc = start_watcher(job, procs, stdout=stdout, stderr=stderr)
         started.append((proc, out, err, random.uniform(*delays)))
     assert wait_until(lambda: all(o.stat().st_size for _, o, _, _ in started), timeout=90)
     once_drawn()

@@ -1,6 +1,11 @@
-"""The node agent: ``loop`` (rendezvous, start, watch, decide) and the modules it hands
+"""The node agent. Owns ``loop`` (rendezvous, start, watch, decide) and the modules it hands
 each step to: ``start`` (workers for a round), ``monitor`` (watching an attempt, with
 ``job_watch``), ``outcome`` (how an attempt ended), ``failure`` and ``restarts`` (records,
 the restart budget, giving up), ``exit_barrier``, ``departure`` (a failure a leaving node
-caused costs nothing) and ``checkpoint_on_notice`` (preemption). May import any room
-below it; never torch."""
+caused costs nothing), ``joining`` (has this node joined the job?), ``regroup`` (keeping
+workers through a membership change), ``checkpoint_on_notice`` (preemption) and
+``store_call`` (store calls bounded by the handler's fencing).
+
+May import the rooms below it: ``watchdog``, ``rendezvous``, ``metrics``, ``checkpoint``,
+``plugin``, ``workers``, ``tcpstore``, ``interfaces``, ``log``; never torch. Plugins and
+training code never import it."""

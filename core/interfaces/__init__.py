@@ -1,4 +1,8 @@
 """The typed interfaces everything else is written against: the rendezvous handler and
-the values it exchanges, the key-value store the agent gets, the coordination store the
-shared round runs over, the worker spec and result, failure records, and the job-wide
-store keys. Imports nothing else from ``elastic``."""
+the values it exchanges (``rendezvous``), the key-value store the agent gets (``store``),
+the coordination store the shared round runs over (``coordination``), the agent
+(``agent``), the worker spec and result (``spec``), what a worker-watching plugin sees
+(``worker_watch``), failure records (``failures``) and the job-wide store keys
+(``job_keys``).
+
+May import nothing else from ``elastic`` (only ``log`` is below it, and it needs none)."""

@@ -1,6 +1,7 @@
 """``LaunchConfig``: the one description of a launch. ``elastic run`` fills it from its
-options, the Python API takes it as torch's ``LaunchConfig``, the launcher turns it into
-the agent's ``WorkerSpec`` and the plugins' ``ElasticConfig``.
+options, the Python API takes it as torch's ``LaunchConfig``; ``views`` turns it into the
+workers' ``WorkerSpec``, the rendezvous's ``RendezvousParameters`` and the plugins'
+``ElasticConfig``.
 
 A configuration is checked where it is made and again where it is launched (it is a
 plain mutable dataclass), by ``validate``: a value out of range is a ``SettingError``
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.core.interfaces.spec import SettingError, check_settings
-from elastic.core.plugin.config import ElasticConfig
+from elastic.core.rendezvous.local import BACKEND as STANDALONE_BACKEND
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
 __all__ = ["LaunchConfig", "SettingError", "per_local_rank", "signal_name"]
@@ -35,6 +36,8 @@ class LaunchConfig:
     rdzv_backend: str = "static"
     rdzv_endpoint: str = ""
     rdzv_configs: dict[str, str] = field(default_factory=dict)
+    # One node, no server (``LocalRendezvousHandler``): the backend then reads
+    # "standalone" and the endpoint is empty, whatever was given (``validate``).
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -67,7 +70,8 @@ class LaunchConfig:
 
     def validate(self) -> None:
         """Raise ``SettingError`` for the first field out of range; spell the preemption
-        signal as ``signal`` does (``term`` -> ``SIGTERM``)."""
+        signal as ``signal`` does (``term`` -> ``SIGTERM``); name a standalone launch's
+        backend (here only: the CLI, the Python API and the plugins read it from here)."""
         if self.min_nodes < 1:
             raise SettingError("min_nodes", f"{self.min_nodes} nodes; expected 1 or more")
         if self.max_nodes < self.min_nodes:
@@ -96,21 +100,8 @@ class LaunchConfig:
                 "preemption_signal", f"{self.preemption_signal!r} is not a signal name"
             )
         self.preemption_signal = name
-
-    def plugin_config(self, plugin_options: Mapping[str, Any], run_id: str) -> ElasticConfig:
-        """What hook plugins are told about this launch: every ``ElasticConfig`` field by
-        its name here, but the backend (a standalone launch runs ``standalone``) and the
-        run id (the rendezvous handler's: a backend may fill in the job id itself)."""
-        ours = {f.name for f in fields(self)}
-        shared = {f.name: getattr(self, f.name) for f in fields(ElasticConfig) if f.name in ours}
-        return ElasticConfig(
-            **{
-                **shared,
-                "run_id": run_id or self.run_id,
-                "rdzv_backend": "standalone" if self.standalone else self.rdzv_backend,
-                "plugin_options": plugin_options,
-            }
-        )
+        if self.standalone:
+            self.rdzv_backend, self.rdzv_endpoint = STANDALONE_BACKEND, ""
 
 
 def signal_name(name: str) -> str | None:

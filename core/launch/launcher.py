@@ -1,5 +1,5 @@
-"""From a launch configuration to a finished run: pick the rendezvous, build the
-worker spec, run the agent. The programmatic twin of ``elastic run``."""
+"""From a launch configuration to a finished run: pick the rendezvous, build the agent
+from the launch's views (``views``), run it. The programmatic twin of ``elastic run``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import runpy
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
-from elastic.core.interfaces.spec import RunResult, WorkerSpec
-from elastic.core.launch.config import LaunchConfig, per_local_rank
+from elastic.core.interfaces.rendezvous import RendezvousHandler
+from elastic.core.interfaces.spec import RunResult
+from elastic.core.launch import views
+from elastic.core.launch.config import LaunchConfig
 
 if TYPE_CHECKING:
     from elastic.core.agent.loop import LocalElasticAgent
@@ -65,44 +65,7 @@ def create_handler(
         from elastic.core.rendezvous.registry import get_backend_factory
 
         factory = get_backend_factory(config.rdzv_backend)
-    params = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        config=dict(config.rdzv_configs),
-        fingerprint=dict(config.fingerprint),
-        allow_mismatch=config.allow_mismatch,
-        node_rank=config.node_rank,
-    )
-    return factory(params)
-
-
-def make_spec(
-    config: LaunchConfig,
-    entrypoint: str | Callable[..., Any],
-    args: tuple[str, ...],
-    handler: RendezvousHandler,
-) -> WorkerSpec:
-    """This node's worker spec: every ``WorkerSpec`` field the launch has, by name, with
-    ``--redirects``/``--tee`` spelled per local rank and an environment of its own."""
-    ours = {f.name for f in fields(config)}
-    shared = {f.name: getattr(config, f.name) for f in fields(WorkerSpec) if f.name in ours}
-    nproc = config.nproc_per_node
-    return WorkerSpec(
-        **{
-            **shared,
-            "redirects": per_local_rank(config.redirects, nproc),
-            "tee": per_local_rank(config.tee, nproc),
-            "extra_env": dict(config.extra_env),
-        },
-        local_world_size=nproc,
-        entrypoint=entrypoint,
-        args=args,
-        rdzv_handler=handler,
-    )
+    return factory(views.rendezvous_parameters(config))
 
 
 def plugin_option_values(host: PluginHost, given: dict[str, Any]) -> dict[str, Any]:
@@ -144,13 +107,11 @@ def create_agent(
     if config.standalone and config.run_id == "none":
         config.run_id = str(uuid.uuid4())
     handler = create_handler(config, handler_factory)
-    spec = make_spec(config, entrypoint, args, handler)
     return LocalElasticAgent(
-        spec,
+        views.worker_spec(config, entrypoint, args, handler),
         plugin_host=host,
-        config=config.plugin_config(options, handler.get_run_id()),
-        signals_to_handle=config.signals_to_handle,
-        quiet=config.quiet,
+        config=views.plugin_config(config, options, handler.get_run_id()),
+        **views.agent_arguments(config),
     )
 
 

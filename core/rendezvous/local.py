@@ -21,6 +21,7 @@ from elastic.core.interfaces.store import LocalStore
 from elastic.core.rendezvous.net import free_port
 
 MASTER_ADDR = "localhost"
+BACKEND = "standalone"  # the backend name of a standalone launch
 
 
 class LocalRendezvousHandler(RendezvousHandler):
@@ -39,7 +40,7 @@ class LocalRendezvousHandler(RendezvousHandler):
         self.node_id = f"{socket.gethostname()}_standalone"
 
     def get_backend(self) -> str:
-        return "standalone"
+        return BACKEND
 
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:

@@ -1,7 +1,10 @@
 """A torch-free client and server for torch's TCPStore wire protocol.
 
 An agent reaches (or hosts) the rendezvous store without importing torch; torch's own
-``TCPStore`` clients and servers interoperate with both. ``wire`` is the protocol.
+``TCPStore`` clients and servers interoperate with both. Owns ``wire`` (the protocol),
+``client``, ``server``, ``view`` (a reconnecting connection and a ``CoordinationStore``
+view of it) and ``limits`` (what a listening server grants one peer). May import
+``interfaces`` and ``log`` (the rooms below it); a public room for plugins.
 """
 
 from elastic.core.tcpstore.client import TCPStoreClient

@@ -1,7 +1,12 @@
 """The watchdog's built-in plugins, registered on each agent's plugin host as pytest
-registers its own: through the same hooks as everyone's, whatever
-``ELASTIC_DISABLE_PLUGIN_AUTOLOAD`` says (they are features of ``elastic run``, switched
-by its own flags, not installed extras).
+registers its own: through the same hooks as everyone's.
+
+``ELASTIC_DISABLE_PLUGIN_AUTOLOAD`` and ``ELASTIC_PLUGINS`` do not apply to them, on
+purpose. Those variables choose which *installed* hook plugins load, and an installed one
+loads on every run unless they leave it out. These load on no run by being installed:
+only when the run's own flag asks for one (below), and switching one off is leaving out
+that flag. Leaving one out because of the variables would make an explicit
+``--stall-timeout`` or ``--health-port`` silently do nothing (``tests/test_builtin_plugins.py``).
 
 ``watchdog`` (the shared ``WorkerWatch``) runs when any of the others does; ``stall``
 with ``--stall-timeout``; ``file-timer`` with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``;

@@ -1,4 +1,7 @@
-"""This node's worker processes: starting, polling and stopping them and forwarding
-signals (``process``), their logs and error files, torchrun's worker environment
-(``env``), the control file an agent uses to ask them to checkpoint, and ``boot``, the
-directory put first on their ``PYTHONPATH``. Imports only ``interfaces``."""
+"""This node's worker processes. Owns starting, polling and stopping them and forwarding
+signals (``process``), their logs (``logs``) and error files (``errorfile``), torchrun's
+worker environment (``env``), the control file an agent uses to ask them to checkpoint or
+regroup (``control_file``), and ``boot``, the directory put first on their ``PYTHONPATH``.
+
+May import ``interfaces`` and ``log`` (the rooms below it); a public room for plugins and
+training code."""
