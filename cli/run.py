@@ -351,13 +351,14 @@ def run_command(ctx: click.Context, **opts: Any) -> None:
     note_event_log(ctx, config.event_log_handler)
     from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousError
     from elastic.core.launch.launcher import launch
+    from elastic.core.plugin.extras import MissingExtraError
     from elastic.core.watchdog.health import HealthPortError
 
     try:
         result = launch(
             config, entrypoint, args, plugin_host=plugin_host(ctx), handler_factory=factory
         )
-    except (RendezvousConfigError, HealthPortError) as exc:
+    except (RendezvousConfigError, HealthPortError, MissingExtraError) as exc:
         raise click.UsageError(str(exc)) from None
     except RendezvousError as exc:
         say(f"elastic run: error: {exc}", logging.ERROR)

@@ -36,6 +36,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousParameters,
 )
 from elastic.core.log import say
+from elastic.core.plugin.extras import MissingExtraError
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,8 @@ def status_command(
                 status = read_interruptibly(rdzv_backend, rdzv_endpoint, rdzv_id)
             except (RendezvousError, LookupError) as exc:
                 say(f"elastic status: error: {exc}", logging.ERROR)
-                sys.exit(1)
+                # A backend installed without its extra is the user's setup to fix: 2.
+                sys.exit(2 if isinstance(exc.__cause__, MissingExtraError) else 1)
             text = json.dumps(status_dict(status), indent=2) if as_json else render(status)
             if watch is None:
                 click.echo(text)

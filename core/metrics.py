@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from elastic.core.log import say
+from elastic.core.plugin.extras import MissingExtraError
 from elastic.core.plugin.named import NamedPluginGroup, PluginNotFoundError
 
 GROUP = "elastic.metrics"
@@ -93,13 +94,19 @@ def known_sink_names() -> list[str]:
 
 
 def validate_sink_names(spec: str | None) -> str | None:
-    """Raise ValueError (one line) for an unknown or doubly claimed sink name; returns
-    ``spec``. Reads metadata only, so ``--metrics-sink`` is checked before starting."""
+    """Raise ValueError (one line) for an unknown or doubly claimed sink name, or a
+    built-in sink installed without its extra; returns ``spec``. Checked before anything
+    starts; any other failure to load a sink is reported and skipped at start."""
     for name, _arg in parse_sink_spec(spec):
         try:
             SINKS.check(name)
         except SinkNotFoundError as exc:
             raise ValueError(str(exc)) from None
+        try:
+            SINKS.load(name)
+        except SinkNotFoundError as exc:
+            if isinstance(exc.__cause__, MissingExtraError):
+                raise ValueError(str(exc)) from None
     return spec
 
 

@@ -352,6 +352,12 @@ def one_of_each() -> tuple[bytes, list[wire.Request]]:
         wire.request(q.MULTI_GET, blobs(keys)),
         wire.multi_set([(b"/a", b"1"), (b"/b", b"")]),
         wire.request(q.CANCEL_WAIT),
+        wire.request(q.APPEND, blob(b"/k"), blob(b"more")),
+        wire.request(q.QUEUE_PUSH, blob(b"/q"), blob(b"item")),
+        wire.request(q.QUEUE_POP, blob(b"/q")),
+        wire.request(q.QUEUE_LEN, blob(b"/q")),
+        wire.request(q.LIST_KEYS),
+        wire.request(q.BARRIER, blob(b"/b"), wire.I64.pack(4)),
     ]
     R = wire.Request
     parsed = [
@@ -368,6 +374,12 @@ def one_of_each() -> tuple[bytes, list[wire.Request]]:
         R(q.MULTI_GET, keys=keys),
         R(q.MULTI_SET, pairs=((b"/a", b"1"), (b"/b", b""))),
         R(q.CANCEL_WAIT),
+        R(q.APPEND, key=b"/k", value=b"more"),
+        R(q.QUEUE_PUSH, key=b"/q", value=b"item"),
+        R(q.QUEUE_POP, key=b"/q"),
+        R(q.QUEUE_LEN, key=b"/q"),
+        R(q.LIST_KEYS),
+        R(q.BARRIER, key=b"/b", number=4),
     ]
     return b"".join(stream), parsed
 

@@ -37,6 +37,7 @@ from elastic.core.plugin.entry_points import (
     entry_points,
     format_exception,
 )
+from elastic.core.plugin.extras import MissingExtraError
 
 T = TypeVar("T")
 
@@ -106,6 +107,10 @@ class NamedPluginGroup(Generic[T]):
         record = describe(ep, self.group)
         try:
             obj: T = ep.load()
+        except MissingExtraError as exc:  # ours, installed without the extra it needs
+            record.failed(self._missing_extra(name, exc))
+            self._loads[name] = record
+            raise self.error(record.error) from exc
         except Exception as exc:  # any import-time error of a plugin is its own
             record.failed(format_exception(exc))
             self._loads[name] = record
@@ -130,6 +135,10 @@ class NamedPluginGroup(Generic[T]):
         if not candidates:
             raise self.error(self.unknown_message(name))
         return candidates[0]
+
+    def _missing_extra(self, name: str, exc: MissingExtraError) -> str:
+        """The one line for a plugin of ours installed without its extra."""
+        return exc.line(f"{self.what} {name!r}")
 
     def unknown_message(self, name: str) -> str:
         known = self.names()
@@ -157,6 +166,8 @@ class NamedPluginGroup(Generic[T]):
                 try:
                     ep.load()
                     record.status = "ok"
+                except MissingExtraError as exc:
+                    record.failed(self._missing_extra(ep.name, exc))
                 except Exception as exc:
                     record.failed(format_exception(exc))
             elif previous is not None and previous.target == record.target:

@@ -1,6 +1,7 @@
 """``TCPStoreServer``: a torch-free server for torch's TCPStore protocol.
 
-One daemon thread runs a ``selectors`` loop over non-blocking sockets. A WAIT whose keys
+One daemon thread runs a ``selectors`` loop over non-blocking sockets; ``store`` holds
+the keys and queues and answers every request past the handshake. A WAIT whose keys
 are missing is parked on the server (the connection is answered when the last key
 appears), never polled. It behaves as torch's libuv server (torch's default) does,
 except where that one is lax: a connection whose first request is not a valid VALIDATE
@@ -37,6 +38,9 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from elastic.core.tcpstore import limits, wire
+from elastic.core.tcpstore.store import Drop as _Drop
+from elastic.core.tcpstore.store import Limit as _Limit
+from elastic.core.tcpstore.store import ServedStore
 from elastic.core.tcpstore.wire import Query
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,6 @@ log = logging.getLogger(__name__)
 # so a client flooding requests delays the others by that much work (~ms), not more.
 _RECV_SIZE = 64 * 1024
 _OUT_HIGH_WATER = 4 * 1024 * 1024
-_INT64 = range(-(2**63), 2**63)
 _INTRUDERS_NAMED = 100  # client hosts warned about by name, at most
 
 R = TypeVar("R")
@@ -84,18 +87,6 @@ class _Conn:
         self.challenge = b""  # sent in answer to AUTH_HELLO
 
 
-class _Drop(Exception):
-    """Close this connection (a protocol violation, or the peer went away)."""
-
-
-class _Limit(_Drop):
-    """Close this connection: it went beyond one of ``limits`` (named by ``limit``)."""
-
-    def __init__(self, limit: str, what: str) -> None:
-        super().__init__(what)
-        self.limit = limit
-
-
 class TCPStoreServer:
     """Serve a TCPStore on ``host:port`` (``port=0``: any free port, see ``.port``), or on
     ``sock``, an already bound socket this server then owns (listening only on the
@@ -126,8 +117,8 @@ class TCPStoreServer:
         self._token = token  # a connection must prove it first (see the module)
         self._intruders: set[str] = set()  # client hosts that failed to, warned once each
         self.port: int = sock.getsockname()[1]
-        self._data: dict[bytes, bytes] = dict(data or {})  # ``data``: served from the start
-        self._waiters: dict[bytes, set[_Conn]] = {}
+        # ``data``: served from the start
+        self._store: ServedStore[_Conn] = ServedStore(dict(data or {}), self._update_events)
         self._conns: dict[socket.socket, _Conn] = {}
         # The connections with a deadline (usually a handful: a handshake or a request
         # under way), so the loop never scans every connection for one.
@@ -163,13 +154,7 @@ class TCPStoreServer:
         Run on the serving thread, so it is atomic with respect to every request. Waiters
         are left parked: a deleted key was present, so nobody waits for it."""
 
-        def clear() -> int:
-            doomed = [key for key in self._data if not key.startswith(keep_prefix)]
-            for key in doomed:
-                del self._data[key]
-            return len(doomed)
-
-        return self._in_loop(clear)
+        return self._in_loop(lambda: self._store.clear(keep_prefix))
 
     def _in_loop(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the loop thread and return its result: the store is that
@@ -207,13 +192,13 @@ class TCPStoreServer:
 
     def holds(self, key: bytes) -> bool:
         """Whether ``key`` is set now (a read of one dict entry: safe from any thread)."""
-        return key in self._data
+        return key in self._store.data
 
     def close_and_take(self) -> dict[bytes, bytes]:
         """Stop serving (as ``close``) and return every key and value as they were last:
         nothing can change them once the loop has stopped (a store handed over)."""
         self.close()
-        return dict(self._data)
+        return dict(self._store.data)
 
     def __enter__(self) -> TCPStoreServer:
         return self
@@ -379,16 +364,17 @@ class TCPStoreServer:
             self._sel.modify(conn.sock, events, conn)
 
     def _drop(self, conn: _Conn) -> None:
-        self._unpark(conn)
+        self._store.unpark(conn)
         self._timed.discard(conn)
         del self._conns[conn.sock]
         self._sel.unregister(conn.sock)
         conn.sock.close()
 
-    # --- the store -----------------------------------------------------------------------
+    # --- requests ------------------------------------------------------------------------
 
     def _handle(self, conn: _Conn, req: wire.Request) -> None:
-        query, out = req.query, conn.outbuf
+        """The handshake's requests here; every other one is the store's (``store``)."""
+        query = req.query
         if not conn.validated:
             if query is not Query.VALIDATE or req.number != wire.VALIDATION_MAGIC:
                 raise _Drop("the first request is not a valid VALIDATE")
@@ -398,48 +384,11 @@ class TCPStoreServer:
             else:  # the handshake deadline stands until the token is proved
                 conn.parser.max_len = wire.AUTH_REQUEST_LEN
         elif query is Query.PING:
-            out += wire.U32.pack(req.number)
+            conn.outbuf += wire.U32.pack(req.number)
         elif not conn.authenticated or query in (Query.AUTH_HELLO, Query.AUTH_PROOF):
             self._authenticate(conn, req)
-        elif query is Query.SET:
-            self._set(req.key, req.value)
-        elif query is Query.MULTI_SET:
-            for key, value in req.pairs:
-                self._set(key, value)
-        elif query is Query.GET:
-            # A missing key reads as empty, as on torch's libuv server (its clients WAIT
-            # first, so only a raw client can see this).
-            out += wire.blob(self._reply_within_limit([req.key])[0])
-        elif query is Query.MULTI_GET:
-            for value in self._reply_within_limit(req.keys):
-                out += wire.blob(value)
-        elif query is Query.ADD:
-            out += wire.I64.pack(self._add(req.key, req.number))
-        elif query is Query.COMPARE_SET:
-            out += wire.blob(self._compare_set(req.key, req.value, req.desired))
-        elif query is Query.CHECK:
-            present = all(k in self._data for k in req.keys)
-            out += wire.U8.pack(wire.READY if present else wire.NOT_READY)
-        elif query is Query.WAIT:
-            self._park(conn, req.keys)
-        elif query is Query.CANCEL_WAIT:
-            self._unpark(conn)
-            out += wire.U8.pack(wire.WAIT_CANCELED)
-        elif query is Query.DELETE_KEY:
-            out += wire.I64.pack(int(self._data.pop(req.key, None) is not None))
-        elif query is Query.GETNUMKEYS:
-            out += wire.I64.pack(len(self._data))
         else:
-            raise _Drop(f"unexpected {query.name}")  # VALIDATE a second time
-
-    def _reply_within_limit(self, keys: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
-        """The values of ``keys`` (``b""`` when missing), unless their answer would pass
-        ``MAX_REPLY_LEN``: measured before a byte of it is built."""
-        values = [self._data.get(key, b"") for key in keys]
-        size = sum(wire.U64.size + len(value) for value in values)
-        if size > limits.MAX_REPLY_LEN:
-            raise _Limit("MAX_REPLY_LEN", f"a request for a {size}-byte answer")
-        return values
+            self._store.answer(conn, req)
 
     @staticmethod
     def _admit(conn: _Conn) -> None:
@@ -476,57 +425,3 @@ class TCPStoreServer:
             self.port,
             host,
         )
-
-    def _set(self, key: bytes, value: bytes) -> None:
-        self._data[key] = value
-        for waiter in self._waiters.pop(key, ()):
-            assert waiter.missing is not None  # only a parked connection is a waiter
-            waiter.missing.discard(key)
-            if not waiter.missing:
-                waiter.missing = None
-                waiter.outbuf += wire.U8.pack(wire.STOP_WAITING)
-                # Sent by the loop: a failure to send to the waiter must drop the
-                # waiter, not the connection whose request woke it.
-                self._update_events(waiter)
-
-    def _add(self, key: bytes, amount: int) -> int:
-        try:
-            total = int(self._data.get(key, b"0")) + amount
-        except ValueError:
-            raise _Drop(f"ADD to a key that holds no integer: {key!r}") from None
-        if total not in _INT64:
-            raise _Drop(f"ADD overflows int64 at {key!r}")
-        self._set(key, str(total).encode())
-        return total
-
-    def _compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        current = self._data.get(key)
-        if current is None:
-            if expected:
-                return expected  # torch's answer for an absent key: "expected", unchanged
-            self._set(key, desired)
-            return desired
-        if current == expected:
-            self._set(key, desired)
-            return desired
-        return current
-
-    def _park(self, conn: _Conn, keys: tuple[bytes, ...]) -> None:
-        if conn.missing is not None:
-            raise _Drop("a second WAIT while one is parked")
-        missing = {k for k in keys if k not in self._data}
-        if not missing:
-            conn.outbuf += wire.U8.pack(wire.STOP_WAITING)
-            return
-        conn.missing = missing
-        for key in missing:
-            self._waiters.setdefault(key, set()).add(conn)
-
-    def _unpark(self, conn: _Conn) -> None:
-        for key in conn.missing or ():
-            waiters = self._waiters.get(key)
-            if waiters is not None:
-                waiters.discard(conn)
-                if not waiters:
-                    del self._waiters[key]
-        conn.missing = None

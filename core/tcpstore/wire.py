@@ -1,4 +1,4 @@
-"""torch's TCPStore wire protocol, as spoken by torch 2.13 (``TCPStore.cpp``,
+"""torch's TCPStore wire protocol, as spoken by torch 2.13 and 2.14 (``TCPStore.cpp``,
 ``TCPStoreBackend.hpp``, ``TCPStoreLibUvBackend.cpp``).
 
 A request is one query-type byte followed by its fields; a response has no header, its
@@ -52,8 +52,8 @@ T = TypeVar("T")
 
 
 class Query(enum.IntEnum):
-    """``c10d::detail::QueryType``: the value is the position in torch's enum. The
-    queue, list and barrier queries (14-18) and APPEND (9) are not served here."""
+    """``c10d::detail::QueryType``: the value is the position in torch's enum (every
+    query torch 2.13's and 2.14's clients send; ``requests`` answers them)."""
 
     VALIDATE = 0
     SET = 1
@@ -64,10 +64,16 @@ class Query(enum.IntEnum):
     WAIT = 6
     GETNUMKEYS = 7
     DELETE_KEY = 8
+    APPEND = 9
     MULTI_GET = 10
     MULTI_SET = 11
     CANCEL_WAIT = 12
     PING = 13
+    QUEUE_PUSH = 14
+    QUEUE_POP = 15
+    QUEUE_LEN = 16
+    LIST_KEYS = 17
+    BARRIER = 18
     # Ours, far from torch's numbers: the token handshake (see the module).
     AUTH_HELLO = 96
     AUTH_PROOF = 97
@@ -141,9 +147,9 @@ class Request:
 
     query: Query
     key: bytes = b""
-    value: bytes = b""  # SET's value; COMPARE_SET's expected value
+    value: bytes = b""  # SET's, APPEND's, QUEUE_PUSH's value; COMPARE_SET's expected value
     desired: bytes = b""  # COMPARE_SET's new value
-    number: int = 0  # ADD's amount; VALIDATE's magic; PING's nonce
+    number: int = 0  # ADD's amount; BARRIER's world size; VALIDATE's magic; PING's nonce
     keys: tuple[bytes, ...] = ()  # CHECK, WAIT, MULTI_GET
     pairs: tuple[tuple[bytes, bytes], ...] = ()  # MULTI_SET
 
@@ -234,9 +240,9 @@ class RequestParser:
             return Request(query, number=(yield from self._int(U32)))
         if query is Query.AUTH_PROOF:
             return Request(query, value=(yield from self._blob(MAX_AUTH_LEN)))
-        if query in (Query.GET, Query.DELETE_KEY):
+        if query in (Query.GET, Query.DELETE_KEY, Query.QUEUE_POP, Query.QUEUE_LEN):
             return Request(query, key=(yield from self._blob(MAX_KEY_LEN)))
-        if query is Query.SET:
+        if query in (Query.SET, Query.APPEND, Query.QUEUE_PUSH):
             key = yield from self._blob(MAX_KEY_LEN)
             return Request(query, key=key, value=(yield from self._blob(MAX_VALUE_LEN)))
         if query is Query.COMPARE_SET:
@@ -244,7 +250,7 @@ class RequestParser:
             expected = yield from self._blob(MAX_VALUE_LEN)
             desired = yield from self._blob(MAX_VALUE_LEN)
             return Request(query, key=key, value=expected, desired=desired)
-        if query is Query.ADD:
+        if query in (Query.ADD, Query.BARRIER):
             key = yield from self._blob(MAX_KEY_LEN)
             return Request(query, key=key, number=(yield from self._int(I64)))
         if query in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
@@ -258,4 +264,4 @@ class RequestParser:
                 key = yield from self._blob(MAX_KEY_LEN)
                 pairs.append((key, (yield from self._blob(MAX_VALUE_LEN))))
             return Request(query, pairs=tuple(pairs))
-        return Request(query)  # GETNUMKEYS, CANCEL_WAIT, AUTH_HELLO: no fields
+        return Request(query)  # GETNUMKEYS, CANCEL_WAIT, LIST_KEYS, AUTH_HELLO: no fields

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.plugin.extras import needs_extra
 from elastic.core.plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -99,7 +100,8 @@ class HealthServer:
     ) -> None:
         from http.server import ThreadingHTTPServer
 
-        from prometheus_client import CollectorRegistry, ProcessCollector
+        with needs_extra("--health-port (its /metrics)"):
+            from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(samples))

@@ -1,6 +1,25 @@
 """Built-in metrics sinks (entry points in ``elastic.metrics``) and, in ``events``, the
-hook plugin that turns the agent's lifecycle into metrics."""
+hook plugin that turns the agent's lifecycle into metrics.
 
-from elastic.plugins.metrics.sinks import ConsoleSink, JsonlSink, PrometheusSink
+``PrometheusSink`` is looked up on first use: it needs the ``prometheus`` extra, whose
+absence then fails that sink's load (one line naming the extra), not the others'."""
+
+from typing import TYPE_CHECKING, Any
+
+from elastic.core.plugin.extras import needs_extra
+from elastic.plugins.metrics.sinks import ConsoleSink, JsonlSink
+
+if TYPE_CHECKING:
+    from elastic.plugins.metrics.sinks import PrometheusSink
 
 __all__ = ["ConsoleSink", "JsonlSink", "PrometheusSink"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "PrometheusSink":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with needs_extra("the prometheus metrics sink"):
+        import prometheus_client  # noqa: F401
+    from elastic.plugins.metrics.sinks import PrometheusSink
+
+    return PrometheusSink

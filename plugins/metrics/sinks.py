@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic.core.metrics import MetricData
+from elastic.core.plugin.extras import needs_extra
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -114,7 +115,8 @@ class PrometheusSink:
     """
 
     def __init__(self, arg: str | None = None) -> None:
-        from prometheus_client import CollectorRegistry
+        with needs_extra("the prometheus metrics sink"):
+            from prometheus_client import CollectorRegistry
 
         path = _resolve(arg, ENV_PROMETHEUS, "metrics.prom")
         rank = os.environ.get("RANK")

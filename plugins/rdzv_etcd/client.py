@@ -17,13 +17,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import etcd
-import urllib3
 from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousParameters,
 )
+from elastic.core.plugin.extras import needs_extra
+
+with needs_extra("the etcd and etcd-v2 rendezvous backends"):
+    import etcd
+    import urllib3
 
 DEFAULT_PORT = 2379
 

@@ -15,10 +15,13 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
-import etcd
 from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.plugin.extras import needs_extra
 from elastic.plugins.rdzv_etcd.client import EtcdClient
+
+with needs_extra("the etcd and etcd-v2 rendezvous backends"):
+    import etcd
 
 
 def _enc_key(key: str) -> str:

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
+from elastic.core.plugin.extras import needs_extra
 from elastic.core.rendezvous import net
 from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
+
+# The client (imported when a handler is made) speaks etcd through urllib3: checked
+# here, so a missing extra fails the backend's load, as for the other backends.
+with needs_extra("the etcd-v3 rendezvous backend"):
+    import urllib3  # noqa: F401
 
 DEFAULT_PREFIX = "/elastic/rdzv-v3"
 

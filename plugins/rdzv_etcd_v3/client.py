@@ -27,13 +27,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import urllib3
 from elastic.core.interfaces.rendezvous import (
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousStoreGoneError,
 )
+from elastic.core.plugin.extras import needs_extra
+
+with needs_extra("the etcd-v3 rendezvous backend"):
+    import urllib3
 
 log = logging.getLogger(__name__)
 
