@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Processes, free_port, run_elastic, wait_until, write_script
+from test_metrics import convention_breaks
 
 T = 4.0
 
@@ -84,6 +85,10 @@ def test_health_during_a_run_and_a_stall(procs: Processes, tmp_path: Path) -> No
     assert samples["elastic_stall_timeout_seconds"][0].value == T
     beats = {s.labels["rank"]: s.value for s in samples["elastic_worker_heartbeats"]}
     assert set(beats) == {"0", "1"}
+    idle = {s.labels["rank"] for s in samples["elastic_worker_idle_seconds"]}
+    alias = {s.labels["rank"] for s in samples["elastic_worker_seconds_since_progress"]}
+    assert idle == alias == {"0", "1"}
+    assert convention_breaks(get(port, "/metrics")[1]) == []
     assert "process_cpu_seconds" in samples  # prometheus-client's process collector
     maps = Path(f"/proc/{agent.pid}/maps").read_text()
     assert "libtorch" not in maps  # the agent serving all this never imported torch
@@ -126,6 +131,11 @@ def test_readyz_while_waiting_for_the_rendezvous(procs: Processes, tmp_path: Pat
     status, body = get(port, "/readyz")
     assert (status, body.strip()) == (503, "waiting for rendezvous")
     assert get(port, "/nope")[0] == 404
+    status, text = get(port, "/metrics")
+    assert convention_breaks(text) == []
+    samples = metrics(port)
+    assert samples["elastic_restarts"][0].value == 0
+    assert samples["elastic_restart_count"][0].value == 0  # deprecated alias, one release
     agent.send_signal(signal.SIGTERM)
     agent.communicate(timeout=30)
 

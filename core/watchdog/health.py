@@ -35,15 +35,21 @@ ENV_PORT = "TORCHELASTIC_HEALTH_CHECK_PORT"  # torch's name, read by `elastic ru
 METRICS = {  # /metrics: name -> (kind, help)
     "elastic_agent_ready": ("gauge", "1 while /readyz answers 200"),
     "elastic_workers": ("gauge", "workers running on this node"),
-    "elastic_restart_count": ("gauge", "restarts spent so far (TORCHELASTIC_RESTART_COUNT)"),
+    "elastic_restarts": ("gauge", "restarts spent so far, job-wide (TORCHELASTIC_RESTART_COUNT)"),
     "elastic_round": ("gauge", "rendezvous round of this node"),
     "elastic_stalls": ("counter", "stalls this agent reported"),
     "elastic_stall_timeout_seconds": ("gauge", "--stall-timeout"),
     "elastic_file_timer_requests": ("counter", "FileTimer requests received"),
     "elastic_file_timer_expired": ("counter", "expired FileTimers acted on"),
-    "elastic_worker_seconds_since_progress": ("gauge", "seconds since the last progress"),
+    "elastic_worker_idle_seconds": ("gauge", "seconds since the worker's last progress"),
     "elastic_worker_heartbeats": ("counter", "elastic.heartbeat() calls"),
     "elastic_worker_cpu_seconds": ("counter", "CPU seconds of the worker's process tree"),
+}
+# The names the two above replaced (a gauge named like a summary's count, a unit inside
+# the name), served beside them as deprecated aliases for one release (README, "Metrics").
+DEPRECATED = {
+    "elastic_restarts": "elastic_restart_count",
+    "elastic_worker_idle_seconds": "elastic_worker_seconds_since_progress",
 }
 
 
@@ -205,7 +211,7 @@ def samples(w: Watched) -> list[Sample]:
     values: dict[str, float] = {
         "elastic_agent_ready": float(readiness(w).ready),
         "elastic_workers": len(w.tracked),
-        "elastic_restart_count": w.restart_count,
+        "elastic_restarts": w.restart_count,
         "elastic_round": w.round,
         "elastic_stalls": w.stalls,
     }
@@ -218,12 +224,22 @@ def samples(w: Watched) -> list[Sample]:
     for p in list(w.tracked.values()):
         labels = {"local_rank": str(p.local_rank), "rank": str(p.rank)}
         for name, value in (
-            ("elastic_worker_seconds_since_progress", p.idle(mono)),
+            ("elastic_worker_idle_seconds", p.idle(mono)),
             ("elastic_worker_heartbeats", p.beats),
             ("elastic_worker_cpu_seconds", p.cpu),
         ):
             out.append(Sample(name, *METRICS[name], value, labels))
-    return out
+    return out + [
+        Sample(
+            DEPRECATED[s.name],
+            s.kind,
+            f"deprecated alias of {s.name}, served for one more release",
+            s.value,
+            s.labels,
+        )
+        for s in out
+        if s.name in DEPRECATED
+    ]
 
 
 def serve(port: int, watched: Watched) -> HealthServer:
