@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.workers.loop_clock import LoopClock
+
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
 
@@ -377,6 +379,7 @@ class SignalGuard:
         self.pending: int | None = None
         self._interruptible = False
         self._saved: dict[int, Any] = {}
+        self.clock = LoopClock()  # the loop's pulse: every wait stamps it (liveness)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -408,8 +411,10 @@ class SignalGuard:
     def waiting(self) -> Iterator[None]:
         """A blocking wait that a signal may interrupt."""
         self._interruptible = True
+        self.clock.enter()
         try:
             self.check()
             yield
         finally:
             self._interruptible = False
+            self.clock.leave()
