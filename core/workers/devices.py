@@ -79,9 +79,9 @@ def _amd(environ: Mapping[str, str]) -> list[Gpu]:
 
 
 def _select(gpus: list[Gpu], value: str | None) -> list[Gpu]:
-    """The devices a ``*_VISIBLE_DEVICES`` list leaves, in its order. Indices pick by
-    position; an entry that is not an index (a UUID) counts as one device we cannot place
-    (None in the middle is not possible: the runtimes stop at the first invalid entry)."""
+    """The devices a ``*_VISIBLE_DEVICES`` list leaves, in its order. An index picks by
+    position; the list ends at an empty or out-of-range entry (``-1``: none), as the
+    runtimes read it; a UUID counts as a visible device with no known PCI slot."""
     if value is None:
         return gpus
     picked = []
