@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from elastic.core.workers import devices
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,17 +61,6 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
-def count_gpus() -> int:
-    """GPUs on this machine, counted without importing torch."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-
-
 def count_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -95,22 +85,23 @@ def count_xpus() -> int:
 
 
 def parse_nproc_per_node(value: str) -> int:
-    """torchrun's values: N, ``gpu``, ``xpu``, ``cpu``, ``auto`` (GPUs, else CPUs: unlike
-    torchrun, ``auto`` does not look for XPUs, which would import torch on every CPU run)."""
+    """torchrun's values: N, ``gpu``, ``xpu``, ``cpu``, ``auto`` (GPUs, NVIDIA or AMD, else
+    CPUs: unlike torchrun, ``auto`` does not look for XPUs, which would import torch on
+    every CPU run). GPUs are counted from the drivers (``core/workers/devices.py``)."""
     if value == "xpu":
         xpus = count_xpus()
         if xpus == 0:
             raise click.BadParameter("'xpu' was asked for but this machine has no visible XPU")
         return xpus
     if value == "gpu":
-        gpus = count_gpus()
+        gpus = devices.count_gpus()
         if gpus == 0:
             raise click.BadParameter("'gpu' was asked for but this machine has no visible GPU")
         return gpus
     if value == "cpu":
         return count_cpus()
     if value == "auto":
-        return count_gpus() or count_cpus()
+        return devices.count_gpus() or count_cpus()
     try:
         count = int(value)
     except ValueError:

@@ -26,6 +26,7 @@ from elastic.cli.slurm import fill_from_slurm, took_line
 from elastic.core.launch.config import LaunchConfig, SettingError
 from elastic.core.log import say
 from elastic.core.rendezvous.fingerprint import parse_allowed
+from elastic.core.workers import numa
 from elastic.core.workers.process import DEFAULT_SIGNALS
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ OPTIONS: dict[str, To] = {
     "preemption_grace": to("preemption_grace"),
     "quiet": to("quiet"),
     "event_log_handler": to("event_log_handler"),
+    "numa_binding": to("numa_binding"),
 }
 RENDEZVOUS_OPTIONS = (
     "rdzv_backend",
@@ -105,7 +107,7 @@ RENDEZVOUS_OPTIONS = (
     "node_rank",
 )
 ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
-REJECTED_OPTIONS = ("logs_specs", "numa_binding")
+REJECTED_OPTIONS = ("logs_specs",)
 COMMAND_OPTIONS = ("dry_run",)  # about the command itself, not the launch
 
 
@@ -174,8 +176,16 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
 def check_rejected(opts: dict[str, Any]) -> None:
     if opts["logs_specs"] not in (None, "", "default"):
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
-    if opts["numa_binding"]:
-        raise bad("--numa-binding", "NUMA binding is not provided; run under numactl instead")
+
+
+def check_numa_binding(mode: str | None, nproc: int) -> None:
+    """Compute the binding now, so what this node lacks for it is one line before any
+    worker starts (the agent binds each worker as it starts it)."""
+    if mode:
+        try:
+            numa.plan(mode, nproc)
+        except numa.NumaBindingError as exc:
+            raise bad("--numa-binding", f"{mode}: {exc}") from None
 
 
 def build_config(
@@ -188,6 +198,7 @@ def build_config(
     check_script(opts)
     entrypoint, args = entrypoint_for(opts)
     check_rejected(opts)
+    check_numa_binding(fields["numa_binding"], fields["nproc_per_node"])
     fields["fingerprint"] = fingerprint_for(opts, fields["nproc_per_node"], fields["max_restarts"])
     omp = "OMP_NUM_THREADS" not in os.environ and fields["nproc_per_node"] > 1
     fields["extra_env"] = {"OMP_NUM_THREADS": "1"} if omp else {}
@@ -292,7 +303,12 @@ def build_config(
     help="Copy matching stderr lines to a file.",
 )
 @flag("--logs-specs", default=None, help="Only the default log layout is provided.")
-@flag("--numa-binding", default=None, help="Not provided; rejected with an error.")
+@flag(
+    "--numa-binding",
+    type=click.Choice(numa.MODES),
+    default=None,
+    help="Bind each worker to the CPUs near its GPU (node, socket, exclusive, core-complex).",
+)
 @flag(
     "--stall-timeout",
     type=float,

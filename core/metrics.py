@@ -34,6 +34,12 @@ GROUP = "elastic.metrics"
 DEFAULT_GROUP = "torchelastic"
 ENV_SINK = "ELASTIC_METRICS_SINK"  # the sink spec workers (and a bare agent) read
 
+# Names follow Prometheus's conventions (a unit as the suffix, no ``_count`` on a gauge).
+# The names they replaced are still emitted beside them, as deprecated aliases, for one
+# release (README, "Metrics"); then this table and ``deprecated_alias`` go.
+_RENAMED = {"workers.restarts": "workers.restart_count"}
+_DURATION = ".duration_seconds"  # was ".duration" (``timed``, rendezvous, run)
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -47,6 +53,26 @@ class MetricData:
     timestamp: float = field(default_factory=time.time)
     rank: int | None = None
     pid: int = field(default_factory=os.getpid)
+    # Set on a deprecated alias: the name it stands for (sinks may say so).
+    alias_of: str | None = None
+
+
+def deprecated_alias(name: str) -> str | None:
+    """The old name still emitted beside ``name`` for one release, or None."""
+    if name.endswith(_DURATION):
+        return name.removesuffix("_seconds")
+    return _RENAMED.get(name)
+
+
+def observations(
+    name: str, value: float, group: str = DEFAULT_GROUP, rank: int | None = None
+) -> list[MetricData]:
+    """One observation under ``name``, and under its deprecated alias when it has one."""
+    first = MetricData(name=name, value=float(value), group=group, rank=rank)
+    alias = deprecated_alias(name)
+    if alias is None:
+        return [first]
+    return [first, MetricData(alias, float(value), group, first.timestamp, rank, alias_of=name)]
 
 
 @runtime_checkable
@@ -231,8 +257,9 @@ def put_metric(name: str, value: float, group: str = DEFAULT_GROUP) -> None:
 
 
 class timed:  # lower case: it is used as a decorator, so it reads like a function
-    """Time a function or a block: emits ``NAME.duration`` (seconds) and ``NAME.success``
-    on success, ``NAME.failure`` when it raises (the exception still propagates).
+    """Time a function or a block: emits ``NAME.duration_seconds`` and ``NAME.success``
+    on success, ``NAME.failure`` when it raises (the exception still propagates). The
+    old ``NAME.duration`` goes out too, as a deprecated alias, for one release.
 
     ``@timed("checkpoint.save")`` on a function, or ``with timed("data.load"):``.
     """
@@ -245,7 +272,10 @@ class timed:  # lower case: it is used as a decorator, so it reads like a functi
 
     def _record(self, elapsed: float, ok: bool) -> None:
         if ok:
-            put_metric(f"{self.name}.duration", elapsed, self.group)
+            manager = sink_manager()
+            for data in observations(f"{self.name}{_DURATION}", elapsed, self.group, _rank()):
+                if manager.sinks:
+                    manager.emit(data)
             put_metric(f"{self.name}.success", 1, self.group)
         else:
             put_metric(f"{self.name}.failure", 1, self.group)

@@ -5,6 +5,7 @@ line and exit 2; the agent serving it has no torch in its address space."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -13,7 +14,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import Processes, free_port, run_elastic, wait_until, write_script
+from conftest import (
+    Processes,
+    cli_env,
+    free_port,
+    make_distribution,
+    run_elastic,
+    wait_until,
+    write_script,
+)
+from test_metrics import convention_breaks
 
 T = 4.0
 
@@ -76,14 +86,21 @@ def test_health_during_a_run_and_a_stall(procs: Processes, tmp_path: Path) -> No
         str(tmp_path),
     )
     assert wait_until(lambda: get(port, "/healthz")[0] == 200, timeout=30)
-    assert wait_until(lambda: get(port, "/readyz")[0] == 200, timeout=60), get(port, "/readyz")
-    status, body = get(port, "/readyz")
+    assert wait_until(lambda: get(port, "/progressz")[0] == 200, timeout=60), get(
+        port, "/progressz"
+    )
+    status, body = get(port, "/progressz")
     assert body.startswith("running: 2 workers"), body
+    assert get(port, "/readyz") == (200, "running\n")
     samples = metrics(port)
-    assert samples["elastic_agent_ready"][0].value == 1
+    assert samples["elastic_workers_progressing"][0].value == 1
     assert samples["elastic_stall_timeout_seconds"][0].value == T
     beats = {s.labels["rank"]: s.value for s in samples["elastic_worker_heartbeats"]}
     assert set(beats) == {"0", "1"}
+    idle = {s.labels["rank"] for s in samples["elastic_worker_idle_seconds"]}
+    alias = {s.labels["rank"] for s in samples["elastic_worker_seconds_since_progress"]}
+    assert idle == alias == {"0", "1"}
+    assert convention_breaks(get(port, "/metrics")[1]) == []
     assert "process_cpu_seconds" in samples  # prometheus-client's process collector
     maps = Path(f"/proc/{agent.pid}/maps").read_text()
     assert "libtorch" not in maps  # the agent serving all this never imported torch
@@ -95,14 +112,15 @@ def test_health_during_a_run_and_a_stall(procs: Processes, tmp_path: Path) -> No
     seen: list[tuple[float, int, str]] = []
 
     def not_ready() -> bool:
-        code, text = get(port, "/readyz")
+        code, text = get(port, "/progressz")
         seen.append((time.time() - hung_at, code, text.strip()))
         return code == 503 and ("not progressing" in text or "stalled" in text)
 
     assert wait_until(not_ready, timeout=T + 10, interval=0.1), seen
     assert seen[-1][0] <= T + 2, seen  # 503 before the stall is acted on (at T/2)
-    assert metrics(port)["elastic_agent_ready"][0].value == 0
-    assert get(port, "/healthz")[0] == 200  # alive all along
+    assert metrics(port)["elastic_workers_progressing"][0].value == 0
+    assert get(port, "/healthz")[0] == 200  # alive all along: the agent's loop runs
+    assert get(port, "/readyz")[0] == 200
     _, err = agent.communicate(timeout=90)
     assert agent.returncode == 0, err
     assert (tmp_path / "done-1-0").exists() and (tmp_path / "done-1-1").exists()
@@ -121,11 +139,26 @@ def test_readyz_while_waiting_for_the_rendezvous(procs: Processes, tmp_path: Pat
         "--rdzv-id=health-wait",
         f"--health-port={port}",
         script,
+        env=cli_env({"ELASTIC_LIVENESS_TIMEOUT": "1"}),
     )
     assert wait_until(lambda: get(port, "/healthz")[0] == 200, timeout=30)
-    status, body = get(port, "/readyz")
+    # Readiness never holds the rendezvous up (a not-ready pod loses its DNS name behind a
+    # headless Service): ready while waiting, even past the liveness bound, since the
+    # loop waits in the rendezvous, a wait with its own deadline.
+    time.sleep(2.5)
+    assert get(port, "/healthz") == (200, "ok\n")
+    assert get(port, "/readyz") == (200, "waiting for rendezvous\n")
+    status, body = get(port, "/progressz")
     assert (status, body.strip()) == (503, "waiting for rendezvous")
     assert get(port, "/nope")[0] == 404
+    status, text = get(port, "/metrics")
+    assert convention_breaks(text) == []
+    samples = metrics(port)
+    assert samples["elastic_restarts"][0].value == 0
+    assert samples["elastic_restart_count"][0].value == 0  # deprecated alias, one release
+    assert samples["elastic_agent_live"][0].value == 1
+    assert samples["elastic_workers_progressing"][0].value == 0
+    assert samples["elastic_agent_ready"][0].value == 0  # its deprecated alias
     agent.send_signal(signal.SIGTERM)
     agent.communicate(timeout=30)
 
@@ -168,3 +201,65 @@ def test_bad_values_are_one_line_and_exit_2(
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert expected in lines[0]
+
+
+STUCK_PLUGIN = """
+import os, time
+from elastic.core.plugin.hookspecs import hookimpl
+
+@hookimpl
+def elastic_check_workers(workers):
+    # Called from the agent's own loop every monitor tick: once told, it never returns.
+    while os.path.exists(os.environ["STUCK_MARKER"]):
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_agent_loop_fails_liveness(procs: Processes, tmp_path: Path) -> None:
+    """A hook plugin that hangs in the agent's loop (not a worker): /healthz and /readyz
+    turn 503 after ELASTIC_LIVENESS_TIMEOUT while the HTTP thread still answers, and
+    come back once the loop does."""
+    port, marker = free_port(), tmp_path / "stuck"
+    site = make_distribution(
+        tmp_path / "site",
+        "stuck_plugin",
+        "[elastic.plugins]\nstuck = stuck_plugin\n",
+        {"stuck_plugin": STUCK_PLUGIN},
+    )
+    script = write_script(tmp_path, "w.py", "import time\ntime.sleep(60)\n")
+    env = cli_env(
+        {
+            "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "STUCK_MARKER": str(marker),
+            "ELASTIC_LIVENESS_TIMEOUT": "2",
+        }
+    )
+    agent = procs.elastic("run", "--standalone", f"--health-port={port}", script, env=env)
+    assert wait_until(lambda: get(port, "/readyz") == (200, "running\n"), timeout=30)
+    time.sleep(2.5)  # monitoring for longer than the bound: every tick is a wait
+    assert get(port, "/healthz") == (200, "ok\n")
+    marker.touch()
+    t0 = time.monotonic()
+    assert wait_until(lambda: get(port, "/healthz")[0] == 503, timeout=10), get(port, "/healthz")
+    assert 1.5 <= time.monotonic() - t0 <= 5
+    status, body = get(port, "/healthz")
+    assert body.startswith("stuck: the agent's loop has not come back for "), body
+    assert body.rstrip().endswith("(bound 2s) while running"), body
+    assert get(port, "/readyz")[0] == 503
+    assert metrics(port)["elastic_agent_live"][0].value == 0
+    marker.unlink()  # the loop comes back: alive again
+    assert wait_until(lambda: get(port, "/healthz") == (200, "ok\n"), timeout=10)
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=30)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_a_bad_liveness_timeout_is_one_line_and_exit_2(tmp_path: Path, value: str) -> None:
+    script = write_script(tmp_path, "w.py", "pass\n")
+    env = {"ELASTIC_LIVENESS_TIMEOUT": value}
+    proc = run_elastic("run", "--standalone", f"--health-port={free_port()}", script, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"ELASTIC_LIVENESS_TIMEOUT={value!r}: expected a positive number" in lines[0]

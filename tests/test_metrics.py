@@ -182,11 +182,12 @@ def test_timed_decorator_and_block(tmp_path: Path) -> None:
     metrics.close_sinks()
     rows = read_jsonl(path)
     assert [(r["group"], r["name"]) for r in rows] == [
-        ("user", "work.duration"),
+        ("user", "work.duration_seconds"),
+        ("user", "work.duration"),  # the deprecated alias, for one release
         ("user", "work.success"),
         ("torchelastic", "block.failure"),
     ]
-    assert 0 <= rows[0]["value"] < 1
+    assert 0 <= rows[0]["value"] < 1 and rows[1]["value"] == rows[0]["value"]
     assert work.__name__ == "work"
 
 
@@ -280,10 +281,12 @@ def test_events_plugin_through_plugin_host(tmp_path: Path, monkeypatch: pytest.M
 
     got = {r["name"]: r["value"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert got == {
-        "rendezvous.duration": 0.75,
+        "rendezvous.duration_seconds": 0.75,
+        "rendezvous.duration": 0.75,  # deprecated aliases, for one release
         "rendezvous.round": 3,
         "rendezvous.world_size": 2,
         "workers.started": 0,
+        "workers.restarts": 1,
         "workers.restart_count": 1,
         "workers.failed": 1,
         "workers.failed.exit_code": -9,
@@ -291,11 +294,61 @@ def test_events_plugin_through_plugin_host(tmp_path: Path, monkeypatch: pytest.M
         "restart.failure": 1,
         "membership.changed": 1,
         "membership.world_size": 2,
+        "run.duration_seconds": 9.5,
         "run.duration": 9.5,
         "run.succeeded": 1,
         "run.exit_code": 0,
     }
-    assert "torchelastic_run_duration{" in (tmp_path / "metrics.prom").read_text()
+    text = (tmp_path / "metrics.prom").read_text()
+    assert "torchelastic_run_duration_seconds{" in text
+    assert (
+        "# HELP torchelastic_run_duration deprecated alias of torchelastic_run_duration_seconds"
+        in text
+    )
+    assert convention_breaks(text) == []
+
+
+def convention_breaks(exposition: str) -> list[str]:
+    """Names in a Prometheus exposition that break its naming conventions: ``_total`` only
+    on counters (and always on them), no ``_count``/``_sum``/``_bucket`` on a gauge, a
+    duration's unit as its suffix. A deprecated alias must name a family that is there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(exposition))
+    names = {f.name for f in families}
+    breaks = []
+    for family in families:
+        if family.documentation.startswith("deprecated alias of "):
+            target = family.documentation.removeprefix("deprecated alias of ").split(",")[0]
+            if target not in names:
+                breaks.append(f"{family.name}: alias of {target}, which is missing")
+            continue
+        samples = {s.name for s in family.samples}
+        if family.type == "counter" and not all(n.endswith("_total") for n in samples):
+            breaks.append(f"{family.name}: a counter without _total")
+        if family.type == "gauge" and family.name.endswith(("_total", "_count", "_sum", "_bucket")):
+            breaks.append(f"{family.name}: a gauge named like a counter or a summary")
+        if (
+            family.type == "gauge"
+            and "duration" in family.name
+            and not family.name.endswith("_seconds")
+        ):
+            breaks.append(f"{family.name}: a duration without its unit")
+    return breaks
+
+
+def test_the_convention_check_sees_the_old_names() -> None:
+    old = (
+        "# TYPE elastic_restart_count gauge\nelastic_restart_count 1.0\n"
+        "# TYPE torchelastic_run_duration gauge\ntorchelastic_run_duration 2.0\n"
+        "# HELP elastic_x deprecated alias of elastic_y, for one release\n"
+        "# TYPE elastic_x gauge\nelastic_x 1.0\n"
+    )
+    assert convention_breaks(old) == [
+        "elastic_restart_count: a gauge named like a counter or a summary",
+        "torchelastic_run_duration: a duration without its unit",
+        "elastic_x: alias of elastic_y, which is missing",
+    ]
 
 
 def test_events_plugin_without_sink_sets_nothing() -> None:

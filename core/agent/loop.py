@@ -123,7 +123,7 @@ class LocalElasticAgent(ElasticAgent):
         self._attempts = 0
         self._failures: dict[int, fail.FailureRecord] = {}
         # --stall-timeout, the FileTimer server, --health-port (binds the port now)
-        self._builtins = register_builtins(self._host, spec)
+        self._builtins = register_builtins(self._host, spec, clock=self._guard.clock)
         # --preemption-signal/--preemption-grace: a coordinated checkpoint on notice
         self._preempt_signum = getattr(signal, spec.preemption_signal, signal.SIGTERM)
         self._coordinator: Coordinator | None = None

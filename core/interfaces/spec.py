@@ -95,6 +95,7 @@ class WorkerSpec:
     # --preemption-signal/--preemption-grace: a checkpoint on notice (agent/checkpoint_on_notice)
     preemption_signal: str = "SIGTERM"
     preemption_grace: float = 25.0
+    numa_binding: str | None = None  # --numa-binding MODE: each worker's CPUs (workers/numa.py)
 
     def __post_init__(self) -> None:
         check_settings(

@@ -64,6 +64,7 @@ class LaunchConfig:
     preemption_grace: float = 25.0  # --preemption-grace SECONDS; 0: leave at once
     quiet: bool = False  # --quiet: no progress lines (waiting for nodes, round changes)
     event_log_handler: str = "null"  # torch's field: console writes agent events (event_log)
+    numa_binding: str | None = None  # --numa-binding MODE (core/workers/numa.py); None: off
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,19 +22,25 @@ from typing import TYPE_CHECKING
 
 from elastic.core.watchdog import file_timer
 from elastic.core.watchdog.file_timer_plugin import FileTimerWatch
-from elastic.core.watchdog.health import HealthEndpoint
+from elastic.core.watchdog.health import HealthEndpoint, liveness_bound
 from elastic.core.watchdog.stall import StallDetector
 from elastic.core.watchdog.watch import WorkerWatch
 
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
     from elastic.core.plugin.host import PluginHost
+    from elastic.core.workers.loop_clock import LoopClock
 
 
 def register_builtins(
-    host: PluginHost, spec: WorkerSpec, environ: Mapping[str, str] | None = None
+    host: PluginHost,
+    spec: WorkerSpec,
+    environ: Mapping[str, str] | None = None,
+    clock: LoopClock | None = None,
 ) -> list[str]:
-    """Register the built-ins ``spec`` and the environment ask for; their names."""
+    """Register the built-ins ``spec`` and the environment ask for; their names.
+    ``clock``: the agent loop's pulse, for liveness (without it ``/healthz`` only says
+    that the process runs)."""
     env = os.environ if environ is None else environ
     timer_on = env.get(file_timer.ENV_ENABLE) == "1"
     if not (spec.stall_timeout or spec.health_port is not None or timer_on):
@@ -46,7 +52,8 @@ def register_builtins(
     )
     plugins: list[tuple[str, object]] = [("watchdog", watch)]
     if spec.health_port is not None:  # first: a port in use must fail before anything runs
-        plugins.append(("health", HealthEndpoint(watch, spec.health_port)))
+        bound = liveness_bound(spec, env)
+        plugins.append(("health", HealthEndpoint(watch, spec.health_port, clock, bound)))
     if spec.stall_timeout:
         plugins.append(("stall", StallDetector(watch, spec.stall_timeout)))
     if timer_on:

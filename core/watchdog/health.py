@@ -1,9 +1,17 @@
 """``--health-port``: the agent's HTTP health endpoint, served from a daemon thread.
 
-- ``GET /healthz``: 200 ``ok`` while the agent process runs (liveness).
-- ``GET /readyz``: 200 while the workers run and make progress; 503 with the reason as
-  the body while waiting for the rendezvous, while a worker is not progressing or has
-  stalled, and while restarting (readiness).
+- ``GET /healthz`` (liveness): 200 while the agent's own loop runs: it is inside a bounded
+  wait (the rendezvous, the exit barrier, the sleep between two monitor ticks) or left
+  its last one less than the liveness bound ago (``core/workers/loop_clock.py``:
+  ``--shutdown-timeout`` + ``--preemption-grace`` + 60 s, or ``ELASTIC_LIVENESS_TIMEOUT``);
+  503 ``stuck: ...`` otherwise (a hook that never returns, a deadlock). A liveness probe
+  then restarts the pod, as it should.
+- ``GET /readyz`` (readiness): the same verdict as ``/healthz``, with the phase as the
+  body. Never 503 because the rendezvous is not complete: behind a headless Service a
+  not-ready pod loses its DNS name, and the rendezvous needs that name to complete.
+- ``GET /progressz``: 200 while the workers run and make progress; 503 with the reason
+  while waiting for the rendezvous, while a worker is not progressing or has stalled, and
+  while restarting. For dashboards and alerts, never a probe.
 - ``GET /metrics``: Prometheus text exposition, rendered by ``prometheus-client`` from
   the agent's own figures at scrape time, plus the agent process's CPU and memory.
 
@@ -17,39 +25,52 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.plugin.extras import needs_extra
 from elastic.core.plugin.hookspecs import hookimpl
+from elastic.core.workers.loop_clock import stuck_bound
 
 if TYPE_CHECKING:
     from http.server import BaseHTTPRequestHandler
 
+    from elastic.core.interfaces.spec import WorkerSpec
     from elastic.core.watchdog.beats import WorkerProgress
     from elastic.core.watchdog.file_timer import FileTimerServer
+    from elastic.core.workers.loop_clock import LoopClock
 
 ENV_PORT = "TORCHELASTIC_HEALTH_CHECK_PORT"  # torch's name, read by `elastic run`
+ENV_LIVENESS = "ELASTIC_LIVENESS_TIMEOUT"  # seconds outside any wait before /healthz fails
 
 
 METRICS = {  # /metrics: name -> (kind, help)
-    "elastic_agent_ready": ("gauge", "1 while /readyz answers 200"),
+    "elastic_agent_live": ("gauge", "1 while /healthz and /readyz answer 200"),
+    "elastic_workers_progressing": ("gauge", "1 while /progressz answers 200"),
     "elastic_workers": ("gauge", "workers running on this node"),
-    "elastic_restart_count": ("gauge", "restarts spent so far (TORCHELASTIC_RESTART_COUNT)"),
+    "elastic_restarts": ("gauge", "restarts spent so far, job-wide (TORCHELASTIC_RESTART_COUNT)"),
     "elastic_round": ("gauge", "rendezvous round of this node"),
     "elastic_stalls": ("counter", "stalls this agent reported"),
     "elastic_stall_timeout_seconds": ("gauge", "--stall-timeout"),
     "elastic_file_timer_requests": ("counter", "FileTimer requests received"),
     "elastic_file_timer_expired": ("counter", "expired FileTimers acted on"),
-    "elastic_worker_seconds_since_progress": ("gauge", "seconds since the last progress"),
+    "elastic_worker_idle_seconds": ("gauge", "seconds since the worker's last progress"),
     "elastic_worker_heartbeats": ("counter", "elastic.heartbeat() calls"),
     "elastic_worker_cpu_seconds": ("counter", "CPU seconds of the worker's process tree"),
+}
+# The names the two above replaced (a gauge named like a summary's count, a unit inside
+# the name), served beside them as deprecated aliases for one release (README, "Metrics").
+DEPRECATED = {
+    "elastic_restarts": "elastic_restart_count",
+    "elastic_worker_idle_seconds": "elastic_worker_seconds_since_progress",
+    "elastic_workers_progressing": "elastic_agent_ready",  # /readyz's old meaning
 }
 
 
 class HealthPortError(ValueError):
-    """The health port cannot be listened on (in use, or not allowed)."""
+    """The health endpoint cannot be set up: its port cannot be listened on (in use, or
+    not allowed), or ``ELASTIC_LIVENESS_TIMEOUT`` is not a positive number."""
 
 
 @dataclass
@@ -97,6 +118,7 @@ class HealthServer:
         readiness: Callable[[], Readiness],
         samples: Callable[[], list[Sample]],
         host: str = "",
+        liveness: Callable[[], Readiness] | None = None,
     ) -> None:
         from http.server import ThreadingHTTPServer
 
@@ -107,6 +129,7 @@ class HealthServer:
         self.registry.register(_Collector(samples))
         ProcessCollector(registry=self.registry)
         self._readiness = readiness
+        self._liveness = liveness or (lambda: Readiness(True, "alive"))
         handler = _make_handler(self)
         try:
             self._server = ThreadingHTTPServer((host, port), handler)
@@ -138,16 +161,17 @@ class HealthServer:
         """(status, content type, body) for a GET of ``path``."""
         text = "text/plain; charset=utf-8"
         route = path.split("?", 1)[0].rstrip("/") or "/"
-        if route == "/healthz":
-            return 200, text, b"ok\n"
-        if route == "/readyz":
-            state = self._readiness()
-            return (200 if state.ready else 503), text, (state.reason + "\n").encode()
+        checks = {"/healthz": self._liveness, "/readyz": self._liveness}
+        checks["/progressz"] = self._readiness
+        if route in checks:
+            state = checks[route]()
+            body = "ok" if route == "/healthz" and state.ready else state.reason
+            return (200 if state.ready else 503), text, (body + "\n").encode()
         if route == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        return 404, text, b"not found: try /healthz, /readyz or /metrics\n"
+        return 404, text, b"not found: try /healthz, /readyz, /progressz or /metrics\n"
 
 
 def _make_handler(server: HealthServer) -> type[BaseHTTPRequestHandler]:
@@ -184,9 +208,37 @@ class Watched(Protocol):
     timers: FileTimerServer | None
 
 
+def liveness(w: Watched, clock: LoopClock | None, bound: float) -> Readiness:
+    """Live unless the agent's loop has been outside every bounded wait for ``bound``
+    seconds; the reason names the phase either way (``/readyz``'s body)."""
+    outside = clock.outside_wait_for() if clock is not None else 0.0
+    if outside >= bound:
+        return Readiness(
+            False,
+            f"stuck: the agent's loop has not come back for {outside:.0f}s "
+            f"(bound {bound:g}s) while {w.phase}",
+        )
+    return Readiness(True, w.phase)
+
+
+def liveness_bound(spec: WorkerSpec, environ: Mapping[str, str]) -> float:
+    """``ELASTIC_LIVENESS_TIMEOUT`` if set, else what the loop's own steps may take."""
+    value = environ.get(ENV_LIVENESS, "").strip()
+    if not value:
+        return stuck_bound(spec.shutdown_timeout, spec.preemption_grace)
+    try:
+        bound = float(value)
+    except ValueError:
+        bound = -1.0
+    if not bound > 0 or bound == float("inf"):
+        raise HealthPortError(f"{ENV_LIVENESS}={value!r}: expected a positive number of seconds")
+    return bound
+
+
 def readiness(w: Watched) -> Readiness:
-    """Ready while running with every worker progressing (with ``--stall-timeout``: no
-    worker idle for half of it); otherwise the phase or the slowest worker is the reason."""
+    """Progressing (``/progressz``) while running with every worker progressing (with
+    ``--stall-timeout``: no worker idle for half of it); otherwise the phase or the
+    slowest worker is the reason."""
     phase, tracked = w.phase, list(w.tracked.values())
     if phase != "running" or not tracked:
         return Readiness(False, phase)
@@ -202,12 +254,13 @@ def readiness(w: Watched) -> Readiness:
     return Readiness(True, f"running: {len(tracked)} workers, last progress {idle:.1f}s ago")
 
 
-def samples(w: Watched) -> list[Sample]:
+def samples(w: Watched, live: Callable[[], Readiness]) -> list[Sample]:
     mono = time.monotonic()
     values: dict[str, float] = {
-        "elastic_agent_ready": float(readiness(w).ready),
+        "elastic_agent_live": float(live().ready),
+        "elastic_workers_progressing": float(readiness(w).ready),
         "elastic_workers": len(w.tracked),
-        "elastic_restart_count": w.restart_count,
+        "elastic_restarts": w.restart_count,
         "elastic_round": w.round,
         "elastic_stalls": w.stalls,
     }
@@ -220,25 +273,49 @@ def samples(w: Watched) -> list[Sample]:
     for p in list(w.tracked.values()):
         labels = {"local_rank": str(p.local_rank), "rank": str(p.rank)}
         for name, value in (
-            ("elastic_worker_seconds_since_progress", p.idle(mono)),
+            ("elastic_worker_idle_seconds", p.idle(mono)),
             ("elastic_worker_heartbeats", p.beats),
             ("elastic_worker_cpu_seconds", p.cpu),
         ):
             out.append(Sample(name, *METRICS[name], value, labels))
-    return out
+    return out + [
+        Sample(
+            DEPRECATED[s.name],
+            s.kind,
+            f"deprecated alias of {s.name}, served for one more release",
+            s.value,
+            s.labels,
+        )
+        for s in out
+        if s.name in DEPRECATED
+    ]
 
 
-def serve(port: int, watched: Watched) -> HealthServer:
+def serve(
+    port: int, watched: Watched, clock: LoopClock | None = None, bound: float = float("inf")
+) -> HealthServer:
     """The endpoint for an agent's watchdog (bound now, serving once ``start``ed)."""
-    return HealthServer(port, lambda: readiness(watched), lambda: samples(watched))
+
+    def live() -> Readiness:
+        return liveness(watched, clock, bound)
+
+    return HealthServer(
+        port, lambda: readiness(watched), lambda: samples(watched, live), liveness=live
+    )
 
 
 class HealthEndpoint:
     """The built-in plugin ``health``: the endpoint bound at creation (so a port in use
     fails before anything starts), served from the agent's start to the end of its run."""
 
-    def __init__(self, watched: Watched, port: int) -> None:
-        self.server = serve(port, watched)
+    def __init__(
+        self,
+        watched: Watched,
+        port: int,
+        clock: LoopClock | None = None,
+        bound: float = float("inf"),
+    ) -> None:
+        self.server = serve(port, watched, clock, bound)
 
     @hookimpl
     def elastic_agent_start(self) -> None:

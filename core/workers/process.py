@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.workers import numa
+from elastic.core.workers.loop_clock import LoopClock
+
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
 
@@ -67,6 +70,14 @@ def die_with_parent(parent_pid: int | None) -> None:
     ppid = os.getppid()
     if (parent_pid is not None and ppid != parent_pid) or ppid == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_child(parent_pid: int | None, cpus: set[int] | None) -> None:
+    """In a new worker, before it runs anything: die with the agent, and keep to
+    ``cpus`` (``--numa-binding``) when given. Only the child is bound, never the agent."""
+    die_with_parent(parent_pid)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def signal_name(returncode: int | None) -> str | None:
@@ -143,6 +154,7 @@ class CommandWorker:
         env: dict[str, str],
         stdout: str = CONSOLE,
         stderr: str = CONSOLE,
+        cpus: set[int] | None = None,
     ) -> None:
         self.local_rank = local_rank
         agent_pid = os.getpid()
@@ -154,7 +166,7 @@ class CommandWorker:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=lambda: die_with_parent(agent_pid),
+                preexec_fn=lambda: start_child(agent_pid, cpus),
             )
         finally:
             for f in (out, err):
@@ -205,12 +217,14 @@ def _callable_bootstrap(
     stderr: str,
     parent_pid: int | None,
     conn: Connection,
+    cpus: set[int] | None = None,
 ) -> None:
-    """Runs in the child: own session, death signal, environment, redirects, then ``fn``."""
+    """Runs in the child: own session, death signal, CPUs, environment, redirects, then
+    ``fn``."""
     os.setsid()
     if parent_pid is None:
         _release_forkserver()
-    die_with_parent(parent_pid)
+    start_child(parent_pid, cpus)
     os.environ.update(env)
     if "ELASTIC_STACK_FILE" in env:  # a command worker gets this from sitecustomize
         from elastic.core.workers.boot.sitecustomize import install
@@ -257,6 +271,7 @@ class CallableWorker:
         start_method: str = "spawn",
         stdout: str = CONSOLE,
         stderr: str = CONSOLE,
+        cpus: set[int] | None = None,
     ) -> None:
         self.local_rank = local_rank
         ctx = multiprocessing.get_context(start_method)
@@ -265,7 +280,7 @@ class CallableWorker:
         self._conn, child_conn = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_callable_bootstrap,
-            args=(fn, args, env, stdout, stderr, parent, child_conn),
+            args=(fn, args, env, stdout, stderr, parent, child_conn, cpus),
             name=f"worker{local_rank}",
         )
         self.proc.start()
@@ -313,7 +328,13 @@ def start_worker(
     extra_env: dict[str, str],
     logs: WorkerLogsLike,
 ) -> WorkerProcess:
-    """Start one worker: a callable through ``spec.start_method``, else a command."""
+    """Start one worker: a callable through ``spec.start_method``, else a command; with
+    ``--numa-binding``, bound to its CPUs in the child before it runs anything."""
+    cpus = (
+        numa.plan(spec.numa_binding, spec.local_world_size)[local_rank]
+        if spec.numa_binding
+        else None
+    )
     if callable(spec.entrypoint):
         return CallableWorker(
             local_rank,
@@ -323,9 +344,10 @@ def start_worker(
             spec.start_method,
             logs.stdout,
             logs.stderr,
+            cpus,
         )
     env = {**os.environ, **extra_env, **worker_env}
-    return CommandWorker(local_rank, [spec.entrypoint, *args], env, logs.stdout, logs.stderr)
+    return CommandWorker(local_rank, [spec.entrypoint, *args], env, logs.stdout, logs.stderr, cpus)
 
 
 def stop_workers(
@@ -377,6 +399,7 @@ class SignalGuard:
         self.pending: int | None = None
         self._interruptible = False
         self._saved: dict[int, Any] = {}
+        self.clock = LoopClock()  # the loop's pulse: every wait stamps it (liveness)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -408,8 +431,10 @@ class SignalGuard:
     def waiting(self) -> Iterator[None]:
         """A blocking wait that a signal may interrupt."""
         self._interruptible = True
+        self.clock.enter()
         try:
             self.check()
             yield
         finally:
             self._interruptible = False
+            self.clock.leave()

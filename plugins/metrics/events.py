@@ -8,12 +8,16 @@ closes them at ``elastic_run_end``; it hands workers the resolved spec through
 
 Metric names (group ``torchelastic``):
 
-- ``rendezvous.duration`` (s), ``rendezvous.round``, ``rendezvous.world_size``
-- ``workers.started`` (number of local workers), ``workers.restart_count``
+- ``rendezvous.duration_seconds``, ``rendezvous.round``, ``rendezvous.world_size``
+- ``workers.started`` (number of local workers), ``workers.restarts`` (restarts spent)
 - ``workers.failed`` (1 per failed worker), ``workers.failed.exit_code``
 - ``restart`` (1 per restart) and ``restart.<reason>`` (failure, membership, lost_node)
 - ``membership.changed`` (1), ``membership.world_size`` (new number of nodes)
-- ``run.duration`` (s), ``run.succeeded`` (1 or 0), ``run.exit_code``
+- ``run.duration_seconds``, ``run.succeeded`` (1 or 0), ``run.exit_code``
+
+``rendezvous.duration``, ``workers.restart_count`` and ``run.duration``, the names before
+Prometheus's conventions were followed, are emitted beside them as deprecated aliases
+for one release.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class MetricsPlugin:
 
     def put(self, name: str, value: float) -> None:
         if self.sinks.sinks:
-            self.sinks.emit(metrics.MetricData(name=name, value=float(value)))
+            for data in metrics.observations(name, value):
+                self.sinks.emit(data)
 
     @hookimpl
     def elastic_addoption(self, parser: PluginOptionParser) -> None:
@@ -83,14 +88,14 @@ class MetricsPlugin:
 
     @hookimpl
     def elastic_rendezvous_complete(self, info: RendezvousInfo, duration: float) -> None:
-        self.put("rendezvous.duration", duration)
+        self.put("rendezvous.duration_seconds", duration)
         self.put("rendezvous.round", info.round)
         self.put("rendezvous.world_size", info.world_size)
 
     @hookimpl
     def elastic_workers_started(self, group: WorkerGroup) -> None:
         self.put("workers.started", len(group.workers))
-        self.put("workers.restart_count", group.restart_count)
+        self.put("workers.restarts", group.restart_count)
 
     @hookimpl
     def elastic_worker_failed(self, record: FailureRecord) -> None:
@@ -111,7 +116,7 @@ class MetricsPlugin:
 
     @hookimpl
     def elastic_run_end(self, result: RunResult, duration: float) -> None:
-        self.put("run.duration", duration)
+        self.put("run.duration_seconds", duration)
         self.put("run.succeeded", 0 if result.is_failed() else 1)
         self.put("run.exit_code", result.exit_code)
         self.sinks.close()  # flush and close files: the run is over

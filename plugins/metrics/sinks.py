@@ -108,7 +108,8 @@ class PrometheusSink:
     ``prometheus-client`` (the same library serves the agent's ``/metrics``).
 
     For each metric: a gauge with its last value and a counter of observations
-    (``NAME_observations_total``), labelled with the host (and the rank in a worker). The
+    (``NAME_observations_total``), labelled with the host (and the rank in a worker); a
+    deprecated alias says so, and names its new name, in both families' help. The
     whole file is rewritten on every metric by ``prometheus_client.write_to_textfile``
     (a temp file in the same directory, then a rename), so the collector never reads half
     a file.
@@ -127,6 +128,7 @@ class PrometheusSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
+        self._new_name: dict[str, str] = {}  # a deprecated alias -> its new name
         self._labels = {"host": socket.gethostname()}
         if rank is not None:
             self._labels["rank"] = rank
@@ -137,6 +139,8 @@ class PrometheusSink:
         key = prometheus_name(data.group, data.name)
         self._last[key] = data.value
         self._count[key] = self._count.get(key, 0) + 1
+        if data.alias_of is not None:
+            self._new_name[key] = prometheus_name(data.group, data.alias_of)
         self._write()
 
     def collect(self) -> Iterator[Metric]:
@@ -146,12 +150,16 @@ class PrometheusSink:
         names = sorted(self._labels)
         values = [self._labels[n] for n in names]
         for key in sorted(self._last):
-            gauge = GaugeMetricFamily(key, "last value put by elastic", labels=names)
+            new = self._new_name.get(key)
+            deprecated = f"deprecated alias of {new}{{}}, emitted for one more release"
+            gauge_help = deprecated.format("") if new else "last value put by elastic"
+            gauge = GaugeMetricFamily(key, gauge_help, labels=names)
             gauge.add_metric(values, self._last[key])
             yield gauge
-            count = CounterMetricFamily(
-                f"{key}_observations", "observations put by elastic", labels=names
+            count_help = (
+                deprecated.format("_observations") if new else "observations put by elastic"
             )
+            count = CounterMetricFamily(f"{key}_observations", count_help, labels=names)
             count.add_metric(values, self._count[key])
             yield count
 
