@@ -221,17 +221,20 @@ def start_watcher(job: Job, procs: Processes, **kwargs: object) -> subprocess.Po
     )
 
 
-def test_watch_redraws_until_interrupted(job: Job, procs: Processes) -> None:
+def test_watch_redraws_until_interrupted(job: Job, procs: Processes, tmp_path: Path) -> None:
     job("--rdzv-conf", job.fast)
     job("--rdzv-conf", job.fast)
     wait_for_members(job, 2)
-    watcher = start_watcher(job, procs)
-    time.sleep(3)
+    out, err = tmp_path / "watch.out", tmp_path / "watch.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        watcher = start_watcher(job, procs, stdout=stdout, stderr=stderr)
+    drawn = f"job statusjob ({job.backend}): running"
+    # redrawn, however long a loaded machine takes to start the command
+    assert wait_until(lambda: out.read_text().count(drawn) >= 2, timeout=60), err.read_text()
     watcher.send_signal(signal.SIGINT)
-    out, err = watcher.communicate(timeout=30)
-    assert watcher.returncode == 130, err
-    assert out.count(f"job statusjob ({job.backend}): running") >= 2  # redrawn
-    assert "Traceback" not in err
+    watcher.wait(timeout=30)
+    assert watcher.returncode == 130, err.read_text()
+    assert "Traceback" not in err.read_text()
 
 
 def watchers_interrupted(

@@ -28,7 +28,7 @@ VIEWS = {
     "plugins": ElasticConfig,  # what the agent's hook plugins are told
 }
 AGENT = "agent"  # a keyword argument of LocalElasticAgent
-LAUNCH = "launch"  # read by the launch itself (core/launch/launcher.py), in no view
+LAUNCH = "launch"  # read before any view is built (the launcher, the Python API)
 
 # Each LaunchConfig field -> where it goes: "view" (the view's field of the same name),
 # "view:field" (another name there), or LAUNCH / AGENT.
