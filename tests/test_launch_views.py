@@ -44,6 +44,7 @@ SAMPLE: dict[str, Any] = {
     "fingerprint": {"python": "3.11"},
     "allow_mismatch": frozenset({"python"}),
     "virtual_local_rank": True,
+    "numa_binding": "exclusive",
     "duplicate_stdout_filters": ("loss",),
     "duplicate_stderr_filters": ("warn",),
     "rdzv_timeout": 120,
