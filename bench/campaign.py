@@ -142,9 +142,13 @@ dist.destroy_process_group()
 
 HOLDER_PROBE = """\
 import sys
-from elastic.core.tcpstore.view import standby_mark
-found = standby_mark(sys.argv[1], int(sys.argv[2]), 1.0)
-print("live" if found is not None and not found[0] else "no")
+from elastic.core.tcpstore import TCPStoreClient
+try:
+    client = TCPStoreClient(sys.argv[1], int(sys.argv[2]), 1.0)
+    (mark,) = client.multi_get(["elastic/standby"], False)  # a standby's mark; none: live
+except Exception:
+    mark = b"gone"
+print("no" if mark else "live")
 """
 
 
