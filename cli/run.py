@@ -105,8 +105,8 @@ RENDEZVOUS_OPTIONS = (
     "node_rank",
 )
 ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
-REJECTED_OPTIONS = ("logs_specs", "numa_binding")
-COMMAND_OPTIONS = ("dry_run",)  # about the command itself, not the launch
+REJECTED_OPTIONS = ("logs_specs", "numa_binding", "log_line_prefix_template")
+COMMAND_OPTIONS = ("dry_run", "print_completion")  # about the command itself, not the launch
 
 
 def mapped_fields(opts: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +177,25 @@ def check_rejected(opts: dict[str, Any]) -> None:
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
     if opts["numa_binding"]:
         raise bad("--numa-binding", "NUMA binding is not provided; run under numactl instead")
+    if opts["log_line_prefix_template"]:
+        raise bad("--log-line-prefix-template", "a template for worker lines is not provided")
+
+
+def print_completion(ctx: click.Context, _param: click.Parameter, shell: str | None) -> None:
+    """torchrun 2.14's ``--print-completion SHELL``: the shell's completion script for
+    ``elastic`` (click's, which completes its commands and options), then exit."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    from click.shell_completion import get_completion_class
+
+    completion = get_completion_class(shell)
+    if completion is None:
+        raise bad("--print-completion", f"{shell!r}: completion is provided for bash and zsh")
+    root = ctx.find_root()
+    prog = root.info_name or "elastic"
+    var = f"_{prog.upper().replace('-', '_')}_COMPLETE"
+    click.echo(completion(root.command, {}, prog, var).source())
+    ctx.exit(0)
 
 
 def build_config(
@@ -294,6 +313,17 @@ def build_config(
 )
 @flag("--logs-specs", default=None, help="Only the default log layout is provided.")
 @flag("--numa-binding", default=None, help="Not provided; rejected with an error.")
+@flag("--log-line-prefix-template", default="", help="Not provided; rejected with an error.")
+@flag(
+    "--print-completion",
+    type=click.Choice(["bash", "zsh", "tcsh"]),
+    default=None,
+    envvar=None,
+    is_eager=True,
+    expose_value=False,
+    callback=print_completion,
+    help="Print the shell's completion script for elastic and exit (bash, zsh).",
+)
 @flag(
     "--stall-timeout",
     type=float,
