@@ -107,8 +107,8 @@ RENDEZVOUS_OPTIONS = (
     "node_rank",
 )
 ENTRYPOINT_OPTIONS = ("module", "no_python", "run_path", "training_script", "training_script_args")
-REJECTED_OPTIONS = ("logs_specs",)
-COMMAND_OPTIONS = ("dry_run",)  # about the command itself, not the launch
+REJECTED_OPTIONS = ("logs_specs", "log_line_prefix_template")
+COMMAND_OPTIONS = ("dry_run", "print_completion")  # about the command itself, not the launch
 
 
 def mapped_fields(opts: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +176,8 @@ def resolve_rendezvous(opts: dict[str, Any], max_nodes: int) -> dict[str, Any]:
 def check_rejected(opts: dict[str, Any]) -> None:
     if opts["logs_specs"] not in (None, "", "default"):
         raise bad("--logs-specs", f"{opts['logs_specs']!r}: only the default log layout exists")
+    if opts["log_line_prefix_template"]:
+        raise bad("--log-line-prefix-template", "a template for worker lines is not provided")
 
 
 def check_numa_binding(mode: str | None, nproc: int) -> None:
@@ -186,6 +188,23 @@ def check_numa_binding(mode: str | None, nproc: int) -> None:
             numa.plan(mode, nproc)
         except numa.NumaBindingError as exc:
             raise bad("--numa-binding", f"{mode}: {exc}") from None
+
+
+def print_completion(ctx: click.Context, _param: click.Parameter, shell: str | None) -> None:
+    """torchrun 2.14's ``--print-completion SHELL``: the shell's completion script for
+    ``elastic`` (click's, which completes its commands and options), then exit."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    from click.shell_completion import get_completion_class
+
+    completion = get_completion_class(shell)
+    if completion is None:
+        raise bad("--print-completion", f"{shell!r}: completion is provided for bash and zsh")
+    root = ctx.find_root()
+    prog = root.info_name or "elastic"
+    var = f"_{prog.upper().replace('-', '_')}_COMPLETE"
+    click.echo(completion(root.command, {}, prog, var).source())
+    ctx.exit(0)
 
 
 def build_config(
@@ -308,6 +327,17 @@ def build_config(
     type=click.Choice(numa.MODES),
     default=None,
     help="Bind each worker to the CPUs near its GPU (node, socket, exclusive, core-complex).",
+)
+@flag("--log-line-prefix-template", default="", help="Not provided; rejected with an error.")
+@flag(
+    "--print-completion",
+    type=click.Choice(["bash", "zsh", "tcsh"]),
+    default=None,
+    envvar=None,
+    is_eager=True,
+    expose_value=False,
+    callback=print_completion,
+    help="Print the shell's completion script for elastic and exit (bash, zsh).",
 )
 @flag(
     "--stall-timeout",

@@ -1,17 +1,20 @@
 """No agent imports torch, on any backend: each agent of a real two-node job (and
 ``elastic status`` afterwards) records, as it exits, whether ``torch`` is in its
 ``sys.modules``. Workers are trivial scripts that never import torch either, so any
-``torch`` found was imported by the agent itself."""
+``torch`` found was imported by the agent itself. And the package installs and runs a
+job in a venv where torch cannot be imported at all."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_env, free_port
+from conftest import REPO, cli_env, free_port
 
 pytest_plugins = ["elastic.testing.etcd"]
 
@@ -113,3 +116,113 @@ def test_agents_and_status_on_etcd_backends_never_import_torch(
     assert status.returncode == 0, stdout + stderr
     assert run_id in stdout
     assert json.loads((tmp_path / "status.modules").read_text()) == []
+
+
+# --- installed where there is no torch ------------------------------------------------------
+
+# In the venv's site-packages: every process of the venv (pip, the agent, its workers)
+# starts with torch unimportable, though the venv sees the system's packages (so pip
+# needs nothing from an index but our own wheel: no network).
+HIDE_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+TORCHLESS_WORKER = """\
+import importlib.util, json, os, sys
+try:
+    import torch
+except ImportError:
+    torch = None
+with open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"torch": torch is not None, "world": os.environ["WORLD_SIZE"],
+               "master": os.environ["MASTER_ADDR"]}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def torchless_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv where torch cannot be imported, with elastic-launch installed into it by
+    pip from a wheel of this checkout (``--no-index``: its dependencies must already be
+    there, which click and pluggy are, from the system's packages)."""
+    root = tmp_path_factory.mktemp("torchless")
+    wheels, venv = root / "wheels", root / "venv"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(wheels), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    (Path(site) / "hide_torch.pth").write_text(HIDE_TORCH)
+    (wheel,) = wheels.glob("elastic_launch-*.whl")
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q"]
+        + ["--no-index", "--find-links", str(wheels), "--ignore-installed", "--no-deps"]
+        + [str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    return venv
+
+
+def in_venv(venv: Path, *cmd: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return subprocess.run(
+        [str(venv / "bin" / cmd[0]), *cmd[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_installed_without_torch_a_standalone_job_runs(torchless_venv: Path, tmp_path: Path):
+    check = in_venv(
+        torchless_venv,
+        "python",
+        "-c",
+        "import importlib.metadata as md, importlib.util, elastic; "
+        "print(elastic.__file__); print(md.requires('elastic-launch')); "
+        "print(importlib.util.find_spec('torch'))",
+        cwd=tmp_path,
+    )
+    assert check.returncode == 0, check.stderr
+    where, requires, torch_spec = check.stdout.splitlines()
+    assert where.startswith(str(torchless_venv)), where  # the installed copy, not this tree
+    assert "torch" not in requires and torch_spec == "None", check.stdout
+    (tmp_path / "worker.py").write_text(TORCHLESS_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = in_venv(
+        torchless_venv,
+        "elastic",
+        "run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "worker.py",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert records == [{"torch": False, "world": "2", "master": records[0]["master"]}] * 2
+    listed = in_venv(torchless_venv, "elastic", "plugins", "list", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "c10d" in listed.stdout

@@ -24,7 +24,9 @@ what this does:
 
 The server's limits stay: requests are bounded by ``wire``; an answer (``GET``,
 ``MULTI_GET``, ``LIST_KEYS``) over ``limits.MAX_REPLY_LEN`` drops the connection that
-asked. The store itself is not capped, as torch's is not.
+asked. The store itself is not capped, as torch's is not. A store handed over
+(``TCPStoreServer.close_and_take``, c10d's handover) carries its keys, barrier counts
+included, but not its queues: the rendezvous never uses one.
 """
 
 from __future__ import annotations
