@@ -31,17 +31,19 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.cluster import Cluster, Host
+import pytest
+from elastic.testing.cluster import Cluster, Host, require_cluster
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel")
 GRACE_TIME = 20  # s a preempted job's tasks have between SIGTERM and SIGKILL
 CTLD_PORT = 6817
 SLURMD_PORT = 6818
 CPUS = 4  # per node, as configured (SlurmdParameters=config_overrides: not checked)
+SLURM_HOSTS = 3  # hosts of the ``slurm_cluster`` fixture
 
 
 class SlurmError(RuntimeError):
@@ -235,10 +237,31 @@ class SlurmCluster:
                 parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
         return "\n".join(parts)
 
-    # --- queries -----------------------------------------------------------------------------
-    def job_state(self, job_id: str) -> str:
-        out = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout=20).stdout.strip()
-        return out or "GONE"
+    # --- jobs --------------------------------------------------------------------------------
+    def sbatch(self, script: str, *options: str, env: dict[str, str] | None = None) -> str:
+        """Submit ``script`` (its text) with ``options``; the job id."""
+        path = self.workdir / f"job-{time.monotonic_ns()}.sh"
+        path.write_text(script)
+        done = self.run(["sbatch", "--parsable", *options, str(path)], env=self.env(env))
+        if done.returncode != 0:
+            raise SlurmError(f"sbatch failed: {done.stderr.strip()}")
+        return done.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, Restarts, ExitCode...); {} once gone."""
+        out = self.run(["scontrol", "-o", "show", "job", job_id], timeout=20).stdout
+        return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+    def queue(self) -> list[str]:
+        """The ids of the jobs pending or running."""
+        return self.run(["squeue", "-h", "-o", "%i"], timeout=20).stdout.split()
+
+    def cancel_all(self, timeout: float = 60.0) -> None:
+        """Cancel every job and wait until none is left and every node is idle again."""
+        jobs = self.queue()
+        if jobs:
+            self.run(["scancel", *jobs], timeout=20)
+        self._wait(lambda: not self.queue() and self._all_idle(), timeout, "empty queue")
 
     # --- stop --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -266,3 +289,31 @@ class SlurmCluster:
                 self._munged.communicate()
         if hasattr(self, "_log"):
             self._log.close()
+
+
+def require_slurm() -> None:
+    """Skip the calling test when SLURM's daemons are not installed; fail it under CI."""
+    require_cluster()
+    ok, reason = slurm_available()
+    if not ok:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"CI must run the SLURM tests: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real SLURM of ``SLURM_HOSTS`` hosts, shared by a module's tests (starting one takes
+    about a second; the tests' jobs take the time). Each test cancels its jobs at its end
+    (``slurm_jobs``), so the next one finds every node idle."""
+    require_slurm()
+    with Cluster(SLURM_HOSTS) as cluster:
+        with SlurmCluster(cluster, tmp_path_factory.mktemp("slurm")) as slurm:
+            yield slurm
+
+
+@pytest.fixture(name="slurm")
+def slurm_fixture(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The module's SLURM, every job cancelled and gone when the test ends."""
+    yield slurm_cluster
+    slurm_cluster.cancel_all()
