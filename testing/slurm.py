@@ -19,8 +19,13 @@ It returns once ``sinfo`` shows every node idle. ``slurm.run(cmd)`` runs a clien
 ``slurm.env()`` is that environment. ``close()`` (or leaving ``with``) stops the daemons
 and munged; the ``Cluster`` it runs on still has to be closed (it kills whatever is left).
 
-Process tracking is ``proctrack/linuxproc`` and ``task/none``: no cgroup is needed, so it
-runs in a container too. ``slurm_available()`` says why it cannot run here.
+Process tracking is ``proctrack/linuxproc`` and ``task/none``; slurmd 22.05 still loads a
+cgroup plugin at start (``cgroup/v1``, pointed at pid 1's ``/sys/fs/cgroup``: ``ip netns
+exec`` mounts a sysfs without the cgroup mounts), but nothing creates cgroups. The daemons'
+ports are SLURM's defaults: every host is a fresh network namespace, where they are free.
+``slurm_available()`` says why it cannot run here; the ``slurm_cluster`` fixture (module
+scope) and ``slurm`` (per test: cancels the test's jobs) skip with that one line, or fail
+when ``CI`` is set.
 """
 
 from __future__ import annotations
@@ -291,14 +296,19 @@ class SlurmCluster:
             self._log.close()
 
 
+def cannot_run(reason: str) -> None:
+    """Skip the calling test for ``reason`` (one line); fail it under CI."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"CI must run the SLURM tests: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def require_slurm() -> None:
     """Skip the calling test when SLURM's daemons are not installed; fail it under CI."""
     require_cluster()
     ok, reason = slurm_available()
     if not ok:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            pytest.fail(f"CI must run the SLURM tests: {reason}", pytrace=False)
-        pytest.skip(reason)
+        cannot_run(reason)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +318,12 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     (``slurm_jobs``), so the next one finds every node idle."""
     require_slurm()
     with Cluster(SLURM_HOSTS) as cluster:
-        with SlurmCluster(cluster, tmp_path_factory.mktemp("slurm")) as slurm:
+        try:
+            slurm = SlurmCluster(cluster, tmp_path_factory.mktemp("slurm"))
+        except SlurmError as exc:
+            first = str(exc).splitlines()[0]
+            cannot_run(f"cannot start SLURM here: {first}")
+        with slurm:
             yield slurm
 
 
