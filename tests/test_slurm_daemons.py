@@ -11,7 +11,8 @@ simulated host (``elastic.testing.slurm``), jobs submitted with the real ``srun`
   being the last one any rank completed: 0 steps lost.
 - ``scontrol requeue`` of an ``sbatch --requeue`` job: the requeued run (run id
   ``<job>.0.r1``, ``TORCHELASTIC_RESTART_COUNT`` 0 again) resumes from the checkpoint the
-  first run took and finishes.
+  first run took and finishes; on ``etcd-v3``, whose store outlives the job, a finished job
+  requeued runs again as a new job instead of meeting its own closed run id.
 - ``elastic run --nnodes=2`` in a batch script without ``srun``, and in the shell of an
   interactive ``srun --pty`` step, stops at once with one line saying what to do.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from elastic.testing.multihost import ETCD_CLIENT_PORT, start_etcd
 from elastic.testing.preemption_job import PREEMPT_WORKER, read_events
 from elastic.testing.slurm import (  # noqa: F401  (the fixtures)
     SlurmCluster,
@@ -273,6 +275,45 @@ def test_a_requeued_job_resumes_from_the_checkpoint(slurm: SlurmCluster, tmp_pat
     assert {e["restart"] for e in starts} == {0}, log  # a fresh restart budget
     assert sorted(e["rank"] for e in second if e["event"] == "done") == [0, 1, 2, 3], log
     assert {e["step"] for e in second if e["event"] == "done"} == {steps}
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_job_requeued_on_etcd_v3_is_a_new_job(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """etcd outlives the job: the requeued run must not meet the first run's closed id."""
+    etcd_host = slurm.cluster.hosts[2]
+    etcd = start_etcd([etcd_host], tmp_path)
+    try:
+        script = tmp_path / "w.py"
+        script.write_text(WORKER)
+        out = tmp_path / "out"
+        log_file = tmp_path / "job.out"
+        line = (
+            f"srun -N2 --ntasks-per-node=1 {ELASTIC_RUN} --nproc-per-node=2 "
+            f"--rdzv-backend=etcd-v3 --rdzv-endpoint={etcd_host.addr}:{ETCD_CLIENT_PORT} "
+            f"{script} {out}/r$run"
+        )
+        batch = f"#!/bin/sh\nrun=${{SLURM_RESTART_COUNT:-0}}\nmkdir -p {out}/r$run\n{line}\n"
+        job = slurm.sbatch(batch, "-N2", "--requeue", "--open-mode=append", f"--output={log_file}")
+        completed = lambda: slurm.job(job).get("JobState") == "COMPLETED"  # noqa: E731
+        assert wait_until(completed, 180, 0.5), (slurm.job(job), log_file.read_text())
+        requeued = slurm.run(["scontrol", "requeue", job])
+        assert requeued.returncode == 0, requeued.stderr
+        assert wait_until(lambda: slurm.job(job).get("JobState") == "PENDING", 60, 0.3)
+        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        ran_again = lambda: completed() and slurm.job(job).get("Restarts") == "1"  # noqa: E731
+        assert wait_until(ran_again, 180, 0.5), (slurm.job(job), log_file.read_text())
+    finally:
+        for proc in etcd:
+            proc.kill()
+            proc.wait()
+    log = log_file.read_text()
+    assert "already finished" not in log, log
+    for run, run_id in ((0, f"{job}.0"), (1, f"{job}.0.r1")):
+        records = [json.loads(p.read_text()) for p in sorted((out / f"r{run}").glob("*.json"))]
+        assert [(r["rank"], r["world"]) for r in records] == [(i, 4) for i in range(4)], log
+        assert {r["run_id"] for r in records} == {run_id}, log
 
 
 def split_runs(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
