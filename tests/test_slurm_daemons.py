@@ -8,7 +8,8 @@ simulated host (``elastic.testing.slurm``), jobs submitted with the real ``srun`
 - SLURM ends a whole step at once, workers included: ``scancel --signal=TERM`` on the step,
   preemption by a higher partition's job (``GraceTime``), ``--signal=TERM@N`` before the
   time limit. Each time every rank saves at the same step before anything dies, that step
-  being the last one any rank completed: 0 steps lost.
+  being the last one any rank completed: 0 steps lost. The preempted batch script, the
+  README's, then requeues its job.
 - ``scontrol requeue`` of an ``sbatch --requeue`` job: the requeued run (run id
   ``<job>.0.r1``, ``TORCHELASTIC_RESTART_COUNT`` 0 again) resumes from the checkpoint the
   first run took and finishes; on ``etcd-v3``, whose store outlives the job, a finished job
@@ -192,9 +193,12 @@ def test_preemption_with_a_grace_time_checkpoints_first(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     log_file = tmp_path / "job.out"
+    # The README's batch script: signalled (saved), it asks to come back.
+    requeue = '[ $? -eq 143 ] && scontrol requeue "$SLURM_JOB_ID"'
     low = slurm.sbatch(
-        f"#!/bin/sh\n{preempt_line(tmp_path)}\n",
+        f"#!/bin/sh\n{preempt_line(tmp_path)}\n{requeue}\n",
         "-N2",
+        "--requeue",
         "-p",
         "main",
         f"--output={log_file}",
@@ -207,10 +211,11 @@ def test_preemption_with_a_grace_time_checkpoints_first(
         urgent
     )
     log = log_file.read_text()
-    assert slurm.job(low).get("PreemptTime", "None") != "None", slurm.job(low)
     last = assert_saved_before_anything_died(tmp_path, log)
     saved = next(e for e in read_events(tmp_path) if e["event"] == "saved" and e["step"] == last)
     assert saved["t"] - preempted_at < 20, saved  # long before the grace time's SIGKILL
+    requeued = lambda: slurm.job(low).get("Restarts") == "1"  # noqa: E731
+    assert wait_until(requeued, 30, 0.3), slurm.job(low)
 
 
 @pytest.mark.timeout(240)
