@@ -227,7 +227,7 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             dead = [p for p in [self._munged, *self._daemons] if p and p.poll() is not None]
             if dead:
-                raise SlurmError(f"{dead[0].args} exited {dead[0].returncode}: {self.logs()}")
+                raise SlurmError(f"{dead[0].args!r} exited {dead[0].returncode}: {self.logs()}")
             with contextlib.suppress(subprocess.TimeoutExpired):
                 if ready():
                     return

@@ -46,6 +46,7 @@ STOP_WAIT = 120.0  # s checkpoint_saved() waits to be stopped before returning a
 
 _listening = False
 _noticed_at: float | None = None  # when this worker deferred the preemption signal
+_notice_signal = signal.SIGTERM  # which signal that was
 _notice_pending = False  # deferred, and not saved for yet
 
 
@@ -63,10 +64,11 @@ def defer_notices() -> None:
 
 
 def _on_notice(signum: int, frame: FrameType | None) -> None:
-    global _noticed_at, _notice_pending
+    global _noticed_at, _notice_pending, _notice_signal
     if _noticed_at is not None or control.header(STOPPING_FIELD):
         _die(signum)
     _noticed_at, _notice_pending = time.monotonic(), True
+    _notice_signal = signal.Signals(signum)
 
 
 def _die(signum: int) -> None:
@@ -92,9 +94,7 @@ def checkpoint_requested() -> bool:
         control.set_mine(LISTENING, 1)
         defer_notices()
     if _noticed_at is not None and time.monotonic() - _noticed_at > _grace():
-        _die(
-            getattr(signal, os.environ[ENV_PREEMPTION_SIGNAL])
-        )  # no save in time: as if never deferred
+        _die(_notice_signal)  # no save in time: end as if it had not been deferred
     request = control.header(CHECKPOINT_FIELD)
     return _notice_pending or (request != 0 and request != control.mine(SAVED))
 
