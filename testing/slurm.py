@@ -3,7 +3,7 @@
 ``SlurmCluster(cluster, workdir)`` starts, on the hosts of a ``Cluster`` (network
 namespaces with their own hostnames and 198.18 addresses):
 
-- one ``munged`` (in the machine's own namespaces: its socket is a file, which every
+- one ``munged`` on the first host (its socket is a file under ``workdir``, which every
   host's processes reach) with a key of its own, so it never talks to a system munge;
 - ``slurmctld`` on the first host, and a ``slurmd`` on every host, in the host's network
   and UTS namespaces (``host.popen``), so each sees its own hostname and address, as
@@ -179,7 +179,9 @@ class SlurmCluster:
         (self.workdir / "cgroup.conf").write_text(
             "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/proc/1/root/sys/fs/cgroup\n"
         )
-        self._munged = subprocess.Popen(
+        # On the first host too (its socket is a file every host reaches): a run killed
+        # before it could clean up leaves it in a namespace the next cluster sweeps.
+        self._munged = self.controller.popen(
             [
                 "munged",
                 "--foreground",
@@ -191,9 +193,7 @@ class SlurmCluster:
                 f"--seed-file={munge_dir}/munged.seed",
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+            stderr=subprocess.DEVNULL,
         )
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged")
         log = open(self.workdir / "daemons.out", "w")  # noqa: SIM115  (closed with the cluster)
@@ -288,10 +288,10 @@ class SlurmCluster:
         if self._munged is not None:
             self._munged.terminate()
             try:
-                self._munged.communicate(timeout=10)
+                self._munged.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._munged.kill()
-                self._munged.communicate()
+                self._munged.wait()
         if hasattr(self, "_log"):
             self._log.close()
 
