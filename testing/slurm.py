@@ -244,9 +244,12 @@ class SlurmCluster:
 
     # --- jobs --------------------------------------------------------------------------------
     def sbatch(self, script: str, *options: str, env: dict[str, str] | None = None) -> str:
-        """Submit ``script`` (its text) with ``options``; the job id."""
+        """Submit ``script`` (its text) with ``options``; the job id. Its output goes to
+        ``workdir/slurm-<job>.out`` unless ``options`` say where (never the caller's cwd)."""
         path = self.workdir / f"job-{time.monotonic_ns()}.sh"
         path.write_text(script)
+        if not any(o.startswith(("-o", "--output")) for o in options):
+            options = (*options, f"--output={self.workdir}/slurm-%j.out")
         done = self.run(["sbatch", "--parsable", *options, str(path)], env=self.env(env))
         if done.returncode != 0:
             raise SlurmError(f"sbatch failed: {done.stderr.strip()}")
