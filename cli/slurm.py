@@ -13,19 +13,27 @@ options the user did not give (on the command line or as ``PET_*``: those always
   ``SLURM_JOB_NODELIST``), expanded here in pure Python (no ``scontrol``), and a port
   derived from the job id as PyTorch Lightning does, unless ``--master-port`` gives one;
   with an explicit ``--rdzv-backend=static``, ``--master-addr``/``--master-port`` instead;
-- ``--rdzv-id``: ``SLURM_JOB_ID``.
+- ``--rdzv-id``: ``<SLURM_JOB_ID>.<SLURM_STEP_ID>``, and ``.r<SLURM_RESTART_COUNT>`` once
+  the job was requeued: each step and each run of a requeued job is a job of its own, so
+  a requeued job starts with a fresh restart budget and a backend that keeps state
+  (etcd) never meets the id of a run that ended (the checkpoint, a path of the user's,
+  is what carries the work over).
 
 Only an ``srun`` step counts: an ``salloc`` shell or a batch script has ``SLURM_JOB_ID``
 but no step's task variables (``SLURM_STEP_ID`` and ``SLURM_PROCID``), and one agent there
-would wait for nodes that never come. A one-node job asked for explicitly
-(``--standalone``, ``--nnodes=1``) ignores SLURM. One agent per node is the model (it
-starts the workers itself), so several tasks per node are refused.
+would wait for nodes that never come: ``--nnodes`` of more than one there, with no
+``--rdzv-endpoint`` saying where the other agents come from, is refused with the srun line
+to use instead (``outside_step``). So is the shell of an interactive step (``srun --pty``,
+a terminal on the step's first node only) of several nodes. A one-node job asked for
+explicitly (``--standalone``, ``--nnodes=1``) ignores SLURM. One agent per node is the
+model (it starts the workers itself), so several tasks per node are refused.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +70,23 @@ class SlurmStep:
     ntasks_per_node: int | None
     nnodes_var: str
     nodelist_var: str
+    restart_count: int = 0
+    interactive: bool = False  # the shell of ``srun --pty``: one task, on the first node
 
     @property
     def port(self) -> int:
         return port_for_job(self.job_id)
+
+    @property
+    def run_id(self) -> str:
+        """``<job>.<step>`` as SLURM names a step, ``.r<n>`` added on the job's n-th requeue."""
+        requeued = f".r{self.restart_count}" if self.restart_count else ""
+        return f"{self.job_id}.{self.step_id}{requeued}"
+
+    @property
+    def run_id_source(self) -> str:
+        restarts = " and SLURM_RESTART_COUNT" if self.restart_count else ""
+        return f"SLURM_JOB_ID, SLURM_STEP_ID{restarts}"
 
     def tasks_per_node(self) -> int:
         """More than 1 when the step runs several tasks on a node."""
@@ -156,11 +177,13 @@ def number(env: Mapping[str, str], *names: str) -> tuple[str, int] | None:
         raise SlurmError(f"{name}={value!r} is not a number; is this a SLURM task?") from None
 
 
-def detect(env: Mapping[str, str]) -> SlurmStep | None:
+def detect(env: Mapping[str, str], stdin_tty: bool = False) -> SlurmStep | None:
     """The ``srun`` step this process is a task of, or None outside one.
 
     ``SLURM_JOB_ID`` plus a step's task variables (``SLURM_STEP_ID`` and ``SLURM_PROCID``):
-    an ``salloc`` shell or a batch script lacks a step id, so it is not a step."""
+    an ``salloc`` shell or a batch script lacks a step id, so it is not a step. An
+    interactive step's shell has ``SLURM_PTY_PORT`` and a terminal on stdin (the steps
+    started from it inherit the variable, not the terminal)."""
     job = first_set(env, "SLURM_JOB_ID", "SLURM_JOBID")
     step = first_set(env, "SLURM_STEP_ID", "SLURM_STEPID")
     if job is None or step is None or first_set(env, "SLURM_PROCID") is None:
@@ -192,6 +215,7 @@ def detect(env: Mapping[str, str]) -> SlurmStep | None:
         )
     tasks = number(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     per_node = number(env, "SLURM_NTASKS_PER_NODE")
+    restarts = number(env, "SLURM_RESTART_COUNT")
     return SlurmStep(
         job_id=job_id,
         step_id=step[1].strip(),
@@ -202,6 +226,33 @@ def detect(env: Mapping[str, str]) -> SlurmStep | None:
         ntasks_per_node=per_node[1] if per_node else None,
         nnodes_var=nnodes[0],
         nodelist_var=nodelist[0],
+        restart_count=restarts[1] if restarts else 0,
+        interactive=stdin_tty and first_set(env, "SLURM_PTY_PORT") is not None,
+    )
+
+
+def min_nodes(nnodes: object) -> int:
+    """The least node count of ``--nnodes`` (``N`` or ``MIN:MAX``); 1 if not a number (the
+    option's own check says what is wrong with it)."""
+    try:
+        return int(str(nnodes).split(":")[0])
+    except ValueError:
+        return 1
+
+
+def outside_step(env: Mapping[str, str], opts: Mapping[str, Any], given: Collection[str]) -> None:
+    """Refuse a job of several nodes started in a SLURM job but not by ``srun`` (a batch
+    script, an ``salloc`` shell): this one agent would wait forever for the others, as no
+    ``--rdzv-endpoint`` says they are started some other way. Raises ``SlurmError``."""
+    job = first_set(env, "SLURM_JOB_ID", "SLURM_JOBID")
+    wanted = min_nodes(opts.get("nnodes"))
+    if job is None or wanted <= 1 or {"rdzv_endpoint", "master_addr", "standalone"} & set(given):
+        return
+    raise SlurmError(
+        f"elastic run --nnodes={opts['nnodes']} in SLURM job {job[1]} but not in an srun step "
+        f"(a batch script or salloc shell) is one agent on one node and would wait forever "
+        f"for {wanted - 1} more; start one agent per node instead: srun -N{wanted} "
+        "--ntasks-per-node=1 elastic run ... (SLURM fills --nnodes and the rendezvous)"
     )
 
 
@@ -233,7 +284,7 @@ def slurm_values(
         "nnodes": Taken(str(step.nnodes), step.nnodes_var),
         "node_rank": Taken(step.node_id, "SLURM_NODEID"),
         "rdzv_backend": Taken("c10d", "SLURM: its first host serves the store"),
-        "rdzv_id": Taken(step.job_id, "SLURM_JOB_ID"),
+        "rdzv_id": Taken(step.run_id, step.run_id_source),
     }
     if backend == "c10d":
         offer["rdzv_endpoint"] = Taken(where, f"{step.nodelist_var}'s first host, {port_source}")
@@ -241,6 +292,13 @@ def slurm_values(
         offer["master_addr"] = Taken(step.first_host, f"{step.nodelist_var}'s first host")
         offer["master_port"] = Taken(port, "port from SLURM_JOB_ID")
     taken = {dest: offer[dest] for dest in FILLED if dest in offer and dest not in given}
+    if taken and step.interactive and step.nnodes > 1:
+        raise SlurmError(
+            f"this is the shell of an interactive step (srun --pty) of {step.nnodes} nodes, "
+            f"one process on its first node: an agent here would wait forever for the other "
+            f"{step.nnodes - 1}; from this shell run srun --overlap --ntasks-per-node=1 "
+            "elastic run ..., or give --standalone to use this node alone"
+        )
     if taken and step.tasks_per_node() > 1:
         raise SlurmError(
             f"srun runs {step.tasks_per_node()} tasks per node, but elastic run is one agent "
@@ -256,16 +314,21 @@ def took_line(step: SlurmStep, taken: Mapping[str, Taken]) -> str:
 
 
 def fill_from_slurm(
-    ctx: click.Context, opts: dict[str, Any], env: Mapping[str, str]
+    ctx: click.Context, opts: dict[str, Any], env: Mapping[str, str], stdin_tty: bool | None = None
 ) -> tuple[SlurmStep, dict[str, Taken]] | None:
     """Fill ``opts`` (click's values by dest) from the ``srun`` step in ``env``; the step
     and what was taken, or None when nothing was. A value set on the command line or by
     ``PET_*`` is never replaced (click's parameter source tells those from defaults).
-    Bad SLURM input is click's usage error: one line, exit 2."""
+    Bad SLURM input, or a launch SLURM cannot complete, is click's usage error: one line,
+    exit 2. ``stdin_tty``: whether stdin is a terminal (default: ask sys.stdin)."""
     explicit = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     given = {dest for dest in opts if ctx.get_parameter_source(dest) in explicit}
+    if stdin_tty is None:
+        stdin_tty = sys.stdin is not None and sys.stdin.isatty()
     try:
-        step = detect(env)
+        step = detect(env, stdin_tty)
+        if step is None:
+            outside_step(env, opts, given)
         taken = slurm_values(step, opts, given) if step is not None else {}
     except SlurmError as exc:
         raise click.UsageError(str(exc)) from None

@@ -166,7 +166,7 @@ def test_nothing_given_makes_one_c10d_job_across_the_step() -> None:
         "node_rank": 1,
         "rdzv_backend": "c10d",
         "rdzv_endpoint": "gpu03:18456",
-        "rdzv_id": "123456",
+        "rdzv_id": "123456.0",
     }
 
 
@@ -178,7 +178,7 @@ def test_what_is_given_wins() -> None:
     }
     assert values({"rdzv_backend": "c10d", "rdzv_endpoint": "h:1", "node_rank": 0}) == {
         "nnodes": "2",
-        "rdzv_id": "123456",
+        "rdzv_id": "123456.0",
     }
 
 
@@ -188,13 +188,13 @@ def test_static_gets_the_master_address_and_port() -> None:
         "node_rank": 1,
         "master_addr": "gpu03",
         "master_port": 18456,
-        "rdzv_id": "123456",
+        "rdzv_id": "123456.0",
     }
 
 
 def test_another_backend_keeps_its_own_endpoint() -> None:
     got = values({"rdzv_backend": "etcd-v3", "rdzv_endpoint": "etcd:2379"})
-    assert got == {"nnodes": "2", "node_rank": 1, "rdzv_id": "123456"}
+    assert got == {"nnodes": "2", "node_rank": 1, "rdzv_id": "123456.0"}
 
 
 @pytest.mark.parametrize("given", [{"standalone": True}, {"nnodes": "1"}, {"nnodes": "1:1"}])
@@ -244,7 +244,7 @@ def test_dry_run_shows_the_launch_slurm_makes(script: Path) -> None:
     assert rows["endpoint"] == (
         "gpu03:18456  (from SLURM_STEP_NODELIST's first host, port from SLURM_JOB_ID)"
     )
-    assert rows["run id"] == "123456  (from SLURM_JOB_ID)"
+    assert rows["run id"] == "123456.0  (from SLURM_JOB_ID, SLURM_STEP_ID)"
     assert rows["nproc per node"] == "2"
     assert result.stdout.startswith("elastic run --dry-run: this launch (nothing started)\n")
     assert "Traceback" not in result.stderr
@@ -302,9 +302,67 @@ def test_a_real_run_says_what_it_took_from_slurm_unless_quiet(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines()[0] == (
         "elastic: from SLURM job 123456 step 0: --nnodes=1 --node-rank=0 --rdzv-backend=c10d "
-        "--rdzv-endpoint=localhost:18456 --rdzv-id=123456"
+        "--rdzv-endpoint=localhost:18456 --rdzv-id=123456.0"
     )
-    assert result.stdout.count("WS 2 ID 123456") == 2
+    assert result.stdout.count("WS 2 ID 123456.0") == 2
     quiet = run_elastic("run", "--quiet", str(show), env=env)
     assert quiet.returncode == 0, quiet.stderr
     assert "SLURM" not in quiet.stderr
+
+
+def test_each_step_and_each_requeued_run_is_a_job_of_its_own() -> None:
+    first = detect(srun_env(SLURM_STEP_ID="3"))
+    requeued = detect(srun_env(SLURM_STEP_ID="3", SLURM_RESTART_COUNT="2"))
+    assert first is not None and requeued is not None
+    assert (first.run_id, first.run_id_source) == ("123456.3", "SLURM_JOB_ID, SLURM_STEP_ID")
+    assert requeued.run_id == "123456.3.r2"
+    assert requeued.run_id_source == "SLURM_JOB_ID, SLURM_STEP_ID and SLURM_RESTART_COUNT"
+
+
+# A batch script: a job, no step (SLURM_NODEID and SLURM_PROCID are set there too).
+BATCH_ENV = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_NNODES": "4",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_JOB_NODELIST": "gpu[01-04]",
+}
+
+
+@pytest.mark.parametrize("nnodes", ["4", "2:4"])
+def test_several_nodes_outside_a_step_is_one_line_naming_srun(script: Path, nnodes: str) -> None:
+    result = run_elastic("run", "--dry-run", f"--nnodes={nnodes}", str(script), env=BATCH_ENV)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    wanted = int(nnodes.split(":")[0])
+    assert line == (
+        f"elastic run: error: elastic run --nnodes={nnodes} in SLURM job 77 but not in an srun "
+        "step (a batch script or salloc shell) is one agent on one node and would wait "
+        f"forever for {wanted - 1} more; start one agent per node instead: srun -N{wanted} "
+        "--ntasks-per-node=1 elastic run ... (SLURM fills --nnodes and the rendezvous)"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--nnodes=1:4"], ["--nnodes=4", "--rdzv-endpoint=head:29400"], ["--standalone"]],
+)
+def test_outside_a_step_a_launch_that_can_complete_runs(script: Path, flags: list[str]) -> None:
+    result = run_elastic("run", "--dry-run", *flags, str(script), env=BATCH_ENV)
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_interactive_steps_shell_of_several_nodes_is_refused() -> None:
+    env = srun_env(SLURM_PTY_PORT="40301")
+    interactive = detect(env, stdin_tty=True)
+    assert interactive is not None and interactive.interactive
+    with pytest.raises(SlurmError, match=r"interactive step \(srun --pty\) of 2 nodes"):
+        slurm_values(interactive, DEFAULTS, set())
+    # A step started from that shell inherits SLURM_PTY_PORT, not the terminal.
+    nested = detect(env, stdin_tty=False)
+    assert nested is not None and not nested.interactive
+    assert slurm_values(nested, DEFAULTS, set())["nnodes"].value == "2"
+    # One node, or a one-node job asked for, is fine from the terminal.
+    one = detect(srun_env(node=0, SLURM_PTY_PORT="1", SLURM_NNODES="1", SLURM_NTASKS="1"), True)
+    assert one is not None and slurm_values(one, DEFAULTS, set())["nnodes"].value == "1"
+    assert slurm_values(interactive, {**DEFAULTS, "standalone": True}, {"standalone"}) == {}

@@ -106,7 +106,7 @@ def test_two_srun_tasks_form_one_job(cluster_factory: Make, tmp_path: Path) -> N
         took = (
             f"elastic: from SLURM job {JOB_ID} step 0: --nnodes=2 --node-rank={host.index} "
             f"--rdzv-backend=c10d --rdzv-endpoint={first}:{15000 + int(JOB_ID)} "
-            f"--rdzv-id={JOB_ID}"
+            f"--rdzv-id={JOB_ID}.0"
         )
         assert outputs[host.name].splitlines()[0] == took, log
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -114,5 +114,5 @@ def test_two_srun_tasks_form_one_job(cluster_factory: Make, tmp_path: Path) -> N
         (0, 2, cluster.hosts[0].name),
         (1, 2, cluster.hosts[1].name),
     ], log
-    assert {r["run_id"] for r in records} == {JOB_ID}
+    assert {r["run_id"] for r in records} == {f"{JOB_ID}.0"}
     assert {r["sum"] for r in records} == {3.0}  # one all_reduce across both hosts

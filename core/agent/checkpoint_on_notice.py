@@ -23,6 +23,7 @@ agent and never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -33,14 +34,38 @@ from elastic.core.interfaces.job_keys import PREEMPT_KEY
 from elastic.core.interfaces.rendezvous import RendezvousError
 from elastic.core.interfaces.store import Store
 from elastic.core.log import say
-from elastic.core.workers.control_file import ControlFile
+from elastic.core.workers.control_file import (
+    ENV_PREEMPTION_GRACE,
+    ENV_PREEMPTION_SIGNAL,
+    ControlFile,
+)
 from elastic.core.workers.process import WorkerProcess
 
 DEFAULT_GRACE = 25.0
 
 
+def notice_env(signal_name: str, grace: float, handled: Sequence[str]) -> dict[str, str]:
+    """What tells the workers which signal is a notice the agent coordinates a save on:
+    a whole SLURM step gets it at once, workers included, and a listening worker then
+    defers it into a checkpoint request (``elastic.training.preemption``)."""
+    if grace <= 0 or signal_name not in handled:
+        return {}
+    return {ENV_PREEMPTION_SIGNAL: signal_name, ENV_PREEMPTION_GRACE: f"{grace:g}"}
+
+
 def saved_key(round_: int) -> str:
     return PREEMPT_KEY.format(round_) + "/saved"
+
+
+def noticed_key(round_: int) -> str:
+    """How many nodes got the notice themselves: all of them when a whole SLURM step is
+    preempted, cancelled or timed out."""
+    return PREEMPT_KEY.format(round_) + "/noticed"
+
+
+def seen_key(round_: int) -> str:
+    """How many noticed nodes saw the save complete (and may go)."""
+    return PREEMPT_KEY.format(round_) + "/seen"
 
 
 class Coordinator:
@@ -53,10 +78,12 @@ class Coordinator:
         self.control = control
         self.number = round_ + 1  # unique per round; 0 means "no request"
         self._counted = False
+        self._seen = False
 
     def announce(self, who: dict[str, object]) -> None:
         """Publish the request; the first notice of the round wins, later ones join it."""
         self.store.compare_set(PREEMPT_KEY.format(self.round), "", json.dumps(who))
+        self.store.add(noticed_key(self.round), 1)
 
     def relay(self) -> None:
         """Raise the request locally; count this node once all its workers saved."""
@@ -68,6 +95,17 @@ class Coordinator:
     def complete(self, world_size: int) -> bool:
         """Every node of the round has saved."""
         return self._counted and int(self.store.add(saved_key(self.round), 0)) >= world_size
+
+    def all_leaving_saw_it(self, world_size: int) -> bool:
+        """Count this node as having seen the save complete; True unless every node got
+        the notice (the whole job is leaving) and some have not seen it yet: the node
+        serving the store must not take it away from them before they do."""
+        if not self._seen:
+            self.store.add(seen_key(self.round), 1)
+            self._seen = True
+        if int(self.store.add(noticed_key(self.round), 0)) < world_size:
+            return True  # one node (or a few) leaving: the others go on with the job
+        return int(self.store.add(seen_key(self.round), 0)) >= world_size
 
 
 def wait_for_save(
@@ -85,11 +123,17 @@ def wait_for_save(
         while time.monotonic() < deadline and workers_alive():
             coordinator.relay()
             if coordinator.complete(world_size):
-                return True
+                break
             time.sleep(pause)
+        else:
+            return False
     except RendezvousError:
         return False
-    return False
+    # Complete: a store gone from now on (its node left once all saw it) changes nothing.
+    with contextlib.suppress(RendezvousError):
+        while not coordinator.all_leaving_saw_it(world_size) and time.monotonic() < deadline:
+            time.sleep(pause)
+    return True
 
 
 def checkpoint_before_leaving(

@@ -26,7 +26,11 @@ import socket
 import time
 import uuid
 
-from elastic.core.agent.checkpoint_on_notice import Coordinator, checkpoint_before_leaving
+from elastic.core.agent.checkpoint_on_notice import (
+    Coordinator,
+    checkpoint_before_leaving,
+    notice_env,
+)
 from elastic.core.agent.departure import departure_caused
 from elastic.core.agent.exit_barrier import BarrierEnd, exit_barrier
 from elastic.core.agent.failure import failure_records, publish_and_decide, report_failure
@@ -401,7 +405,10 @@ class LocalElasticAgent(ElasticAgent):
                 **control.worker_env(local_rank),
             }
 
-        signals = {"TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals)}
+        signals = {
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals),
+            **notice_env(spec.preemption_signal, spec.preemption_grace, self._signals),
+        }
         try:
             start_workers(
                 group,
@@ -530,6 +537,8 @@ class LocalElasticAgent(ElasticAgent):
     def _stop(self, sig: int, timeout: float) -> None:
         """Stop every worker (their whole process groups), reap them, stop the tee."""
         if self._workers:
+            if self._coordinator is not None:  # a signal from us ends them: never deferred
+                self._coordinator.control.stopping()
             stop_workers(self._workers, sig, timeout)
         self._workers = []
         if self._tailer is not None:

@@ -2,8 +2,9 @@
 what they did.
 
 One file per node (kept across rounds its workers survive), mapped shared by the agent
-and its workers. The header: the checkpoint request number, the regroup request number
-and the generation of the last round handed over (the round file beside it). Then one
+and its workers. The header: the checkpoint request number, the regroup request number,
+the generation of the last round handed over (the round file beside it) and whether the
+agent is stopping its workers. Then one
 slot per local rank: (listening, saved, capable, joined, broken, step_us, ready).
 
 - "Listening" says the script uses the checkpoint API at all
@@ -39,9 +40,15 @@ ENV_CONTROL = "ELASTIC_CONTROL_FILE"
 # The worker's slot: its local rank (LOCAL_RANK is 0 for every worker with
 # --virtual-local-rank, so it cannot say which slot is whose).
 ENV_CONTROL_SLOT = "ELASTIC_CONTROL_SLOT"
-# (checkpoint request number, regroup request number, generation handed over); 0: none
-HEADER = struct.Struct("<QQQ")
-CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD = 0, 1, 2
+# The signal a listening worker defers into a checkpoint request, and for how long at most
+# (``elastic.training.preemption``); set by the agent when it coordinates a save on it.
+ENV_PREEMPTION_SIGNAL = "ELASTIC_PREEMPTION_SIGNAL"
+ENV_PREEMPTION_GRACE = "ELASTIC_PREEMPTION_GRACE"
+# (checkpoint request number, regroup request number, generation handed over, stopping);
+# 0: none. "Stopping" is set before the agent signals its workers to end them: a worker
+# that defers the preemption signal (``elastic.training.preemption``) never defers that one.
+HEADER = struct.Struct("<QQQQ")
+CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD = 0, 1, 2, 3
 # per local rank: (listening, saved request number, capable, joined, broken, step_us, ready)
 SLOT = struct.Struct("<QQQQQQQ")
 LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY = range(7)
@@ -92,6 +99,10 @@ class ControlFile:
         if self._map is not None and number != self.requested:
             self._set(CHECKPOINT_FIELD, number)
             self.requested = number
+
+    def stopping(self) -> None:
+        """Say the next signal the workers get is the agent ending them (not deferred)."""
+        self._set(STOPPING_FIELD, 1)
 
     def request_regroup(self) -> None:
         """Ask every local worker to stop at its next step boundary for a new round."""
