@@ -102,8 +102,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         )
         self._monitor: Monitor | None = None
         if monitor_store is not None and not params.read_only:
+            memory = self.job_store.memory  # the newest deciding records seen, node-wide
             self._monitor = Monitor(
-                SignedStore(monitor_store, settings.token, params.run_id),
+                SignedStore(monitor_store, settings.token, params.run_id, memory=memory),
                 self.node_id,
                 settings.heartbeat_interval,
                 settings.heartbeat_timeout,
@@ -111,7 +112,7 @@ class RoundRendezvousHandler(RendezvousHandler):
                 hello_line(settings.token, params.run_id, self.node_id),
                 None
                 if lease_store is None
-                else SignedStore(lease_store, settings.token, params.run_id),
+                else SignedStore(lease_store, settings.token, params.run_id, memory=memory),
             )
             # Its threads start with the handler, as the presence port does: a round is
             # then only round trips (a thousand nodes starting threads at once, in one
