@@ -12,13 +12,16 @@ crashed. Usage::
     python bench/fuzz.py --target store-session --seconds 300
     python bench/fuzz.py --runs 500 --json                # a bounded run (the test suite's)
     python bench/fuzz.py --list
+    python bench/fuzz.py --module my_targets.py --target mine   # targets of a file of yours
+
+A target is a function of bytes registered with ``fuzz_targets.target`` (see there).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -28,9 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import fuzz_targets  # noqa: E402  (beside this file, not a package)
+
 CORPUS = HERE.parent / "tests" / "fuzz_corpus"
 MAX_CRASHES = 5  # a target that crashed is restarted this many times at most
 _EXECUTED = re.compile(rb"stat::number_of_executed_units:\s*(\d+)")
+_SAVED = re.compile(rb"Test unit written to (\S+)")
 
 
 @dataclass
@@ -42,15 +49,24 @@ class Result:
     corpus: int = 0  # seed inputs it started from
 
 
-def child(name: str, seconds: float, runs: int, artifacts: str, dirs: list[str]) -> None:
+def load_targets(modules: list[str]) -> dict[str, fuzz_targets.Target]:
+    """The registry: ``fuzz_targets.py``'s targets and those ``modules`` (files) register
+    with its ``@target``."""
+    for path in modules:
+        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        assert spec is not None and spec.loader is not None, path
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return fuzz_targets.TARGETS
+
+
+def child(
+    name: str, seconds: float, runs: int, artifacts: str, dirs: list[str], modules: list[str]
+) -> None:
     """Run in the fuzzing process: instrument elastic, set the target up, fuzz."""
     import atheris
 
-    sys.path.insert(0, str(HERE))
-    import fuzz_targets
-
     with atheris.instrument_imports(include=["elastic"]):
-        one = fuzz_targets.TARGETS[name].setup()
+        one = load_targets(modules)[name].setup()
     args = [
         sys.argv[0],
         f"-artifact_prefix={artifacts}/",
@@ -67,7 +83,12 @@ def child(name: str, seconds: float, runs: int, artifacts: str, dirs: list[str])
 
 
 def run_target(
-    name: str, seconds: float, runs: int, keep: Path | None, corpus: Path = CORPUS
+    name: str,
+    seconds: float,
+    runs: int,
+    keep: Path | None,
+    corpus: Path = CORPUS,
+    modules: tuple[str, ...] = (),
 ) -> Result:
     """Fuzz one target for ``seconds`` (or ``runs`` inputs), restarting after a crash."""
     result = Result(name)
@@ -81,22 +102,33 @@ def run_target(
         left = seconds - (time.monotonic() - started)
         if left < 1 and result.inputs:
             break
-        cmd = [sys.executable, __file__, "--child", name, "--seconds", str(max(left, 1))]
+        # Unbuffered: atheris prints a crash's traceback to stdout, and libFuzzer then
+        # ends the process without flushing it.
+        cmd = [sys.executable, "-u", __file__, "--child", name, "--seconds", str(max(left, 1))]
         cmd += ["--runs", str(max(runs - result.inputs, 1) if runs else 0)]
-        cmd += ["--artifacts", str(artifacts), scratch]
+        cmd += [arg for module in modules for arg in ("--module", module)]
+        cmd += ["--artifacts", str(artifacts), scratch]  # then the corpus directories
         cmd += [str(seeds)] if seeds.is_dir() else []
-        before = set(os.listdir(artifacts))
-        proc = subprocess.run(cmd, capture_output=True, timeout=seconds + 120, check=False)
-        executed = _EXECUTED.findall(proc.stderr)
+        proc = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=seconds + 120,
+            check=False,
+        )
+        output = proc.stdout
+        executed = _EXECUTED.findall(output)
         result.inputs += int(executed[-1]) if executed else 0
-        new = sorted(set(os.listdir(artifacts)) - before)
         if proc.returncode == 0:
             break
-        if not new:  # failed before fuzzing (setup): say why, once
-            tail = proc.stderr.decode(errors="replace").strip().splitlines()[-15:]
+        saved = [p.decode() for p in _SAVED.findall(output)]
+        if not saved:  # failed before fuzzing (setup): say why, once
+            tail = output.decode(errors="replace").strip().splitlines()[-15:]
             raise RuntimeError(f"{name}: the fuzzer exited {proc.returncode}:\n" + "\n".join(tail))
-        result.crashes += [str(artifacts / f) for f in new]
-        sys.stderr.write(proc.stderr.decode(errors="replace")[-4000:])
+        sys.stderr.write(output.decode(errors="replace")[-4000:])
+        if saved[-1] in result.crashes:
+            break  # a seed of the corpus crashes: every restart would stop there again
+        result.crashes.append(saved[-1])
         if runs and result.inputs >= runs:
             break
     result.seconds = round(time.monotonic() - started, 1)
@@ -114,30 +146,32 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument(
+        "--module", action="append", default=[], help="a file registering more targets"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("dirs", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.seconds, args.runs, args.artifacts, args.dirs)
+        child(args.child, args.seconds, args.runs, args.artifacts, args.dirs, args.module)
         return 0
-    sys.path.insert(0, str(HERE))
-    import fuzz_targets
-
+    targets = load_targets(args.module)
     if args.list:
-        for t in fuzz_targets.TARGETS.values():
+        for t in targets.values():
             print(f"{t.name:16} {t.doc}")
         return 0
-    names = args.target or list(fuzz_targets.TARGETS)
-    unknown = [n for n in names if n not in fuzz_targets.TARGETS]
+    names = args.target or list(targets)
+    unknown = [n for n in names if n not in targets]
     if unknown:
-        known = ", ".join(fuzz_targets.TARGETS)
+        known = ", ".join(targets)
         print(f"unknown target(s) {', '.join(unknown)}; known: {known}", file=sys.stderr)
         return 2
     results = []
     print(f"{'target':16} {'inputs':>8} {'seconds':>8} {'crashes':>8}  seeds")
     for name in names:
         keep = Path(args.artifacts) / name if args.artifacts else None
-        result = run_target(name, args.seconds, args.runs, keep, Path(args.corpus))
+        modules = tuple(str(Path(m).resolve()) for m in args.module)
+        result = run_target(name, args.seconds, args.runs, keep, Path(args.corpus), modules)
         results.append(result)
         line = f"{name:16} {result.inputs:8d} {result.seconds:8.1f} {len(result.crashes):8d}"
         print(f"{line}  {result.corpus}", flush=True)

@@ -228,6 +228,72 @@ def signed_record() -> OneInput:
     return one
 
 
+@target("replay")
+def replay() -> OneInput:
+    """Sequences of decisions by three nodes and of replays, deletions and garbage by a
+    client without the token, on a real store: no node ever reads a deciding record older
+    than one it has read (restarts used, the failed flag, a lost list).
+
+    One limit is not checked: once the attacker deleted a record (or overwrote it with
+    garbage, which reads as absent), a node that never read it starts it again from
+    absent, and its write is newer than any before (docs/security.md). So restarts used
+    and a lost list are checked to never go back only in inputs without a deletion; the
+    failed flag always."""
+    from elastic.core.agent.restarts import claim_restart, job_failed, restarts_used
+    from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
+    from elastic.core.rendezvous.round.monitor import add_lost, read_lost
+    from elastic.core.rendezvous.round.signing import SignedStore
+    from elastic.core.tcpstore import TCPStoreServer
+    from elastic.core.tcpstore.view import Connection, PrefixStore
+
+    server = TCPStoreServer("127.0.0.1", 0)
+    conn = Connection("127.0.0.1", server.port, 5.0)
+    lost = "rdzv/r/0/lost"
+    keys = (BUDGET_KEY, FAILED_KEY, lost)
+    runs = [0]
+
+    def one(data: bytes) -> None:
+        runs[0] += 1
+        raw = PrefixStore(conn, f"elastic/replay-{runs[0]}/")  # a fresh job per input
+        nodes = [SignedStore(raw, TOKEN, RUN_ID) for _ in range(3)]
+        seen: list[tuple[int, bool, set[str]]] = [(0, False, set()) for _ in nodes]
+        taken: list[bytes] = []  # values the attacker copied
+        erased = False  # the attacker deleted or overwrote with garbage
+        for i in range(0, len(data) - 1, 2):
+            op, arg = data[i] % 8, data[i + 1]
+            node = nodes[arg % 3]
+            key = keys[arg % len(keys)]
+            if op == 0:
+                claim_restart(node, arg % 5, "n")
+            elif op == 1:
+                node.set(FAILED_KEY, "1")
+            elif op == 2:
+                add_lost(node.sub("rdzv/"), 0, [f"m{arg % 4}"])
+            elif op == 3:
+                taken.append(bytes(raw.multi_get([key])[0]))
+            elif op == 4 and taken:
+                raw.set(keys[arg % len(keys)], taken[arg % len(taken)])
+            elif op == 5:
+                raw.delete_key(key)
+                erased = True
+            elif op == 6:
+                raw.set(key, bytes(data[i + 1 :][:40]))
+                erased = True
+            else:  # every node reads, and must not have gone back
+                for n, (node_, (used, failed, gone)) in enumerate(zip(nodes, seen, strict=True)):
+                    now = (
+                        restarts_used(node_),
+                        job_failed(node_),
+                        set(read_lost(node_.sub("rdzv/"), 0)),
+                    )
+                    back = not erased and (now[0] < used or not gone <= now[2])
+                    if back or (failed and not now[1]):
+                        raise Crash(f"node {n} went back: {(used, failed, gone)} -> {now}")
+                    seen[n] = now
+
+    return one
+
+
 # --- etcd ------------------------------------------------------------------------------
 
 

@@ -67,7 +67,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         self.run_id = params.run_id
         # Every record is signed and checked with the job token (signing.py); the raw
         # stores are kept to close them.
-        self.job_store = SignedStore(job_store, settings.token, params.run_id)
+        self.job_store = SignedStore(
+            job_store, settings.token, params.run_id, write_back=not params.read_only
+        )
         self.rdzv_store = self.job_store.sub("rdzv/")
         self._raw_stores = [s for s in (lease_store, monitor_store, job_store) if s is not None]
         self._monitor_store = monitor_store

@@ -137,7 +137,8 @@ class _JobMemory:
     """What every view of one node's job shares (thread-safe): the keys already warned
     about, and the newest version of each deciding record this node has read or written."""
 
-    def __init__(self) -> None:
+    def __init__(self, write_back: bool = True) -> None:
+        self.write_back = write_back  # False: a read-only reader (``elastic status``)
         self._warned: set[tuple[str, str]] = set()
         self._newest: dict[str, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
@@ -165,9 +166,11 @@ class _JobMemory:
             return self._newest.get(key)
 
     def saw(self, key: str, version: int, value: bytes) -> None:
+        """Remember what this node read or wrote; of two values of one version (written by
+        nodes that did not know of each other's), the later read."""
         with self._lock:
             held = self._newest.get(key)
-            if held is None or version > held[0]:
+            if held is None or version >= held[0]:
                 self._newest[key] = (version, value)
 
 
@@ -181,13 +184,17 @@ class SignedStore:
         run_id: str,
         rel: str = "",
         memory: _JobMemory | None = None,
+        *,
+        write_back: bool = True,
     ) -> None:
         self.inner = inner
         self.token = token
         self.run_id = run_id
         self.prefix = inner.prefix
         self._rel = rel  # this view's prefix below the job's: keys are signed with it
-        self.memory = memory or _JobMemory()  # shared by every view of this node's job
+        # Shared by every view of this node's job; ``write_back=False`` for a reader that
+        # must never write (it still reads the newest it has seen).
+        self.memory = memory or _JobMemory(write_back)
 
     @property
     def where(self) -> str:  # the inner view's: a c10d store may move
@@ -238,7 +245,9 @@ class SignedStore:
         self.memory.once(self.prefix + key, "older")
         # Put the newest back (the same bytes as before: the signature is deterministic),
         # so nodes that never read it see it too; a write meanwhile wins.
-        self.inner.compare_set(key, raw, seal(self.token, self.run_id, rel, newest[1], newest[0]))
+        if self.memory.write_back:
+            sealed = seal(self.token, self.run_id, rel, newest[1], newest[0])
+            self.inner.compare_set(key, raw, sealed)
         return newest[1]
 
     # -- reads ---------------------------------------------------------------------
@@ -305,8 +314,11 @@ class SignedStore:
         self.memory.saw(rel, version, _bytes(value))
 
     def _next_version(self, rel: str) -> int:
+        """Above the newest this node knows of, and no lower than the clock (ms): a node
+        that knows of none (the key was deleted before it read it) still writes a version
+        above the ones written before, rather than 1 again."""
         newest = self.memory.newest(rel)
-        return 1 if newest is None else newest[0] + 1
+        return max(0 if newest is None else newest[0] + 1, time.time_ns() // 1_000_000)
 
     def heartbeat(self, key: str, value: bytes | str) -> None:
         self.inner.heartbeat(key, self._seal(key, value))
