@@ -13,11 +13,13 @@ read where a forged count costs time, never a decision (``COUNTER``), and pass t
 A round's keys carry the round number (``r/<n>/assignment``), so binding a record to its
 key binds it to its round too. A key replays no other key's value, but a client without
 the token could still write back an *older* value of the same key (read earlier). For the
-records that decide the job's fate (``DECIDING``) the signature also covers a version, one
-above the newest the writer knows of; a reader never goes back to a version older than
-the newest it has seen (nor to absent or foreign after it), reads the newest instead and
-writes it back. What it cannot know is a newer value it never read: a node that joins
-after the replay sees the replayed value until a node that knew better writes again.
+records that decide the job's fate (``DECIDING``) the signature also covers a version,
+above the newest the writer knows of and no lower than its clock in ms; a reader never
+goes back to a version older than the newest it has seen (nor to absent or foreign after
+it), reads the newest instead and writes it back. What it cannot know is a newer value it
+never read: a node that joins after the replay sees the replayed value until a node that
+knew better reads it again; and a node that never read a record a stranger deleted
+writes it again from absent (a newer version: the others follow it).
 With no token the view passes everything through.
 """
 
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 
 # Keys (relative to the job's prefix) of the records whose value decides the job's fate
 # (the restart budget, the failed flag, the closed flag, a round's lost list): each write
-# carries a version one above the newest its writer knows of, and a reader never goes
-# back to an older version than one it has seen (a replay of an older signed value).
+# carries a version above the newest its writer knows of, and a reader never goes back to
+# an older version than one it has seen (a replay of an older signed value).
 DECIDING = re.compile(r"agent/restart_budget|agent/failed|rdzv/closed|rdzv/r/\d+/lost")
 # Keys (relative to the job's prefix) that are counters: ``add`` writes them, so they
 # hold plain decimal text and are passed through unchecked. Anything else is a record.
