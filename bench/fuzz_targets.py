@@ -162,15 +162,24 @@ def store_session() -> OneInput:
 
 def _record_parsers() -> Callable[[bytes], None]:
     """Every reader of a rendezvous record's value: a value or RendezvousStateError."""
+    from elastic.core.interfaces.failures import FailureRecord
     from elastic.core.interfaces.job_keys import parse_budget
     from elastic.core.interfaces.rendezvous import RendezvousStateError
     from elastic.core.rendezvous.round import records as R
     from elastic.core.rendezvous.round.monitor import parse_lost
+    from elastic.core.rendezvous.round.progress_lines import Forming
     from elastic.core.rendezvous.round.signing import parse_counter
 
     def parse_all(value: bytes) -> None:
         R.closed_at(value)
         parse_counter(value)
+        forming = Forming.from_json(value)
+        if forming is not None:
+            forming.line(1.0)
+        try:  # its one reader skips a record that fails, whatever the exception
+            FailureRecord.from_json(value)
+        except Exception:  # noqa: BLE001
+            pass
         for parse in (
             lambda: R.Assignment.from_json(value, "k", 0).rank_of(1),
             lambda: R.Roster.from_json(value, "k", 0),
