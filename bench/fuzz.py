@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,12 @@ def run_target(
     artifacts = Path(keep or tempfile.mkdtemp(prefix=f"fuzz-{name}-"))
     artifacts.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=f"fuzz-{name}-corpus-")
+    # The child's own temporary files (a target's scratch files) go here too: libFuzzer
+    # ends the process without Python's clean-up, so this runner removes them.
+    child_tmp = os.path.join(scratch, "tmp")
+    os.mkdir(child_tmp)
+    corpus_dir = os.path.join(scratch, "corpus")
+    os.mkdir(corpus_dir)
     started = time.monotonic()
     while len(result.crashes) < MAX_CRASHES:
         left = seconds - (time.monotonic() - started)
@@ -107,10 +115,11 @@ def run_target(
         cmd = [sys.executable, "-u", __file__, "--child", name, "--seconds", str(max(left, 1))]
         cmd += ["--runs", str(max(runs - result.inputs, 1) if runs else 0)]
         cmd += [arg for module in modules for arg in ("--module", module)]
-        cmd += ["--artifacts", str(artifacts), scratch]  # then the corpus directories
+        cmd += ["--artifacts", str(artifacts), corpus_dir]  # then the corpus directories
         cmd += [str(seeds)] if seeds.is_dir() else []
         proc = subprocess.run(
             cmd,
+            env={**os.environ, "TMPDIR": child_tmp},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             timeout=seconds + 120,
@@ -132,6 +141,9 @@ def run_target(
         if runs and result.inputs >= runs:
             break
     result.seconds = round(time.monotonic() - started, 1)
+    shutil.rmtree(scratch, ignore_errors=True)  # the inputs it found: kept only in a run
+    if keep is None and not result.crashes:
+        shutil.rmtree(artifacts, ignore_errors=True)
     return result
 
 
