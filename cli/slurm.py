@@ -32,6 +32,7 @@ model (it starts the workers itself), so several tasks per node are refused.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import sys
 from collections.abc import Collection, Mapping
@@ -106,7 +107,10 @@ def port_for_job(job_id: str) -> int:
 
 
 HOSTLIST_ITEM = re.compile(r"[^,\[\]]*(?:\[[^\[\]]*\][^,\[\]]*)*")
-RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")  # ASCII digits, as SLURM writes
+# More hosts than a SLURM cluster has (its node names fit in a 16-bit count): a hostlist
+# beyond this is not one SLURM wrote, and expanding it would take the memory of the node.
+MAX_HOSTS = 65536
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -131,17 +135,20 @@ def expand_hostlist(hostlist: str) -> list[str]:
                 f"{hostlist!r} is not a SLURM hostlist (at {text[pos:] or 'its end'!r}); "
                 "expected names like gpu[01-04,07],cpu3"
             )
-        hosts.extend(expand_item(item, hostlist))
+        hosts.extend(expand_item(item, hostlist, MAX_HOSTS - len(hosts)))
         pos = end + 1
     return hosts
 
 
-def expand_item(item: str, hostlist: str) -> list[str]:
-    """One hostlist item (no top-level comma): its text parts and bracket choices."""
+def expand_item(item: str, hostlist: str, room: int = MAX_HOSTS) -> list[str]:
+    """One hostlist item (no top-level comma): its text parts and bracket choices; at most
+    ``room`` hosts (``SlurmError`` beyond)."""
     parts = re.split(r"\[([^\]]*)\]", item)  # text, bracket, text, bracket, ..., text
     choices = [
         [part] if i % 2 == 0 else bracket_numbers(part, hostlist) for i, part in enumerate(parts)
     ]
+    if math.prod(len(c) for c in choices) > room:
+        raise SlurmError(f"{hostlist[:80]!r} names more than {MAX_HOSTS} hosts")
     return ["".join(combo) for combo in itertools.product(*choices)]
 
 
@@ -157,6 +164,8 @@ def bracket_numbers(inside: str, hostlist: str) -> list[str]:
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(high) < int(low):
             raise SlurmError(f"{hostlist!r}: range {piece} runs backwards; expected LOW-HIGH")
+        if int(high) - int(low) + len(numbers) >= MAX_HOSTS:
+            raise SlurmError(f"{hostlist[:80]!r} names more than {MAX_HOSTS} hosts")
         numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
     return numbers
 
@@ -189,7 +198,7 @@ def detect(env: Mapping[str, str], stdin_tty: bool = False) -> SlurmStep | None:
     if job is None or step is None or first_set(env, "SLURM_PROCID") is None:
         return None
     job_id = job[1].strip()
-    if not job_id.isdigit():
+    if not (job_id.isascii() and job_id.isdigit()):
         raise SlurmError(f"{job[0]}={job_id!r} is not a SLURM job id; expected a number")
     nnodes = number(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     node_id = number(env, "SLURM_NODEID")

@@ -30,9 +30,12 @@ def _open() -> bool:
         _map = map_from_env(ENV_CONTROL)
         local_rank = slot_index()
         _slot = slot_offset(local_rank)
-        if _slot + SLOT.size > len(_map):
+        if local_rank < 0 or _slot + SLOT.size > len(_map):
             raise ValueError(f"LOCAL_RANK {local_rank} has no slot in the control file")
     except (OSError, ValueError):
+        if _map is not None:  # mapped, but no slot of ours: none of it is read
+            _map.close()
+            _map = None
         _off = True
         return False
     return True

@@ -24,7 +24,6 @@ and the node restarts as before, so no wait here is unbounded either.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -37,6 +36,7 @@ from elastic.core.workers.control_file import (
     REGROUP_FIELD,
     SAVED,
     STEP_US,
+    parse_round,
     round_path,
 )
 from elastic.training import control
@@ -119,14 +119,7 @@ def _read_round(joined: int) -> tuple[int, dict[str, str]] | None:
     """This worker's variables in the round file, when it holds a round after ``joined``."""
     try:
         with open(round_path(control.path()), "rb") as f:
-            data = json.loads(f.read(MAX_ROUND_FILE + 1)[:MAX_ROUND_FILE])
-        generation = data["generation"]
-        env = data["ranks"][str(control.slot_index())]
-    except (OSError, ValueError, KeyError, TypeError):
+            raw = f.read(MAX_ROUND_FILE + 1)
+        return parse_round(raw, control.slot_index(), joined)
+    except (OSError, ValueError):  # ValueError: the slot variable is no number
         return None
-    ok = isinstance(generation, int) and isinstance(env, dict)
-    if not ok or generation <= joined:
-        return None
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        return None
-    return generation, env

@@ -35,11 +35,13 @@ def parse_budget(raw: bytes) -> tuple[int, list[int]]:
     try:
         record = json.loads(raw)
         used, rounds = record["used"], record["rounds"]
-    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         raise RendezvousStateError(
             f"job state key {BUDGET_KEY!r} is not a restart budget: {bytes(raw[:60])!r}"
         ) from None
-    if not isinstance(used, int) or not all(isinstance(r, int) for r in rounds):
+    if not (isinstance(used, int) and isinstance(rounds, list)) or not all(
+        isinstance(r, int) for r in rounds
+    ):
         raise RendezvousStateError(f"job state key {BUDGET_KEY!r} holds {bytes(raw[:60])!r}")
     return used, list(rounds)
 

@@ -72,6 +72,24 @@ def round_path(control_path: str) -> str:
     return control_path + ROUND_SUFFIX
 
 
+def parse_round(raw: bytes, slot: int, joined: int) -> tuple[int, dict[str, str]] | None:
+    """(generation, this slot's variables) from a round file's bytes, when it holds a round
+    after ``joined``; None for anything else (half written, another shape). Total: any
+    bytes give one of the two."""
+    try:
+        data = json.loads(raw[:MAX_ROUND_FILE])
+        generation = data["generation"]
+        env = data["ranks"][str(slot)]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    ok = isinstance(generation, int) and isinstance(env, dict)
+    if not ok or generation <= joined:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        return None
+    return generation, env
+
+
 class ControlFile:
     """The agent's end of a node's control file (created zeroed, mapped shared)."""
 

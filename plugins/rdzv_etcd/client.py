@@ -43,6 +43,17 @@ LOGICAL_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# What python-etcd lets escape on an answer of an unexpected shape (an error body that is
+# not UTF-8, a tampered reply): retried like a failed request, never a crash of the caller.
+MALFORMED: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    RecursionError,
+)
+
+
 class EtcdAuthError(RendezvousConnectionError):
     """etcd refused our credentials or our TLS setup; retrying cannot help."""
 
@@ -202,7 +213,7 @@ class EtcdClient:
                     f"etcd at {self.url()} refused the request for user {user}: "
                     f"{_one_line(exc)} (check --rdzv-conf username/password)"
                 ) from None
-            except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError) as exc:
+            except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError, *MALFORMED) as exc:
                 if _is_tls_failure(exc):
                     raise EtcdAuthError(
                         f"TLS connection to etcd at {self.url()} failed: {_one_line(exc)} "
@@ -233,7 +244,7 @@ class EtcdClient:
             return client.watch(key, index=index, timeout=timeout, recursive=recursive)
         except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared, etcd.EtcdKeyNotFound):
             return None
-        except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError):
+        except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError, *MALFORMED):
             time.sleep(min(0.2, timeout))
             return None
 

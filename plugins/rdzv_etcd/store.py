@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from elastic.core.interfaces.coordination import WAIT_TICK, Tick
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStateError
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.plugin.extras import needs_extra
 from elastic.plugins.rdzv_etcd.client import EtcdClient
@@ -33,8 +34,24 @@ def _enc_value(value: bytes | str) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _dec_value(text: str | None) -> bytes:
-    return base64.b64decode(text or "")
+def _dec_value(text: object) -> bytes:
+    """A value as etcd sent it (base64): anything else (a tampered or truncated answer)
+    is refused in one line, never a crash."""
+    if text is None or text == "":
+        return b""
+    try:
+        if not isinstance(text, str):
+            raise TypeError(type(text).__name__)
+        return base64.b64decode(text, validate=True)
+    except (TypeError, ValueError) as exc:
+        raise RendezvousConnectionError(f"etcd sent a value that is not base64: {exc}") from None
+
+
+def _counter(raw: bytes, path: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousStateError(f"etcd key {path!r} holds {raw[:60]!r}, not a counter") from None
 
 
 class EtcdStore:
@@ -107,7 +124,7 @@ class EtcdStore:
         path = self._path(key)
         if amount == 0:  # a read: no write, no contention
             try:
-                return int(_dec_value(self.client.call("read", path).value))
+                return _counter(_dec_value(self.client.call("read", path).value), path)
             except etcd.EtcdKeyNotFound:
                 return 0
         while True:
@@ -119,7 +136,7 @@ class EtcdStore:
                     return amount
                 except etcd.EtcdAlreadyExist:
                     continue  # someone created it first: add to theirs
-            value = int(_dec_value(current.value)) + amount
+            value = _counter(_dec_value(current.value), path) + amount
             try:
                 self.client.call(
                     "write", path, _enc_value(str(value)), prevIndex=current.modifiedIndex

@@ -18,6 +18,7 @@ or minted by a member that restarted) is replaced once and the request retried.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import ssl
@@ -54,8 +55,45 @@ def b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
-def unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
+def unb64(text: object) -> bytes:
+    """Bytes etcd sent as base64; anything else (a tampered or truncated reply) is refused
+    in one line (``MalformedReply``), never a crash."""
+    if not text:
+        return b""
+    try:
+        if not isinstance(text, str):
+            raise TypeError(f"a {type(text).__name__}")
+        return base64.b64decode(text, validate=True)
+    except (TypeError, ValueError) as exc:
+        raise MalformedReply(f"a value that is not base64 ({exc})") from None
+
+
+class MalformedReply(RendezvousConnectionError):
+    """etcd's answer does not have the shape its API gives it: retried, or said in one
+    line, like an answer that never came."""
+
+
+def reply_dict(reply: object, field: str) -> dict[str, Any]:
+    """``reply[field]`` when both are JSON objects; ``{}`` when the field is missing."""
+    if not isinstance(reply, dict):
+        raise MalformedReply(f"a reply that is not a JSON object: {str(reply)[:60]!r}")
+    value = reply.get(field, {})
+    if not isinstance(value, dict):
+        raise MalformedReply(f"{field!r} is not a JSON object: {str(value)[:60]!r}")
+    return value
+
+
+@contextlib.contextmanager
+def reading_reply(where: str, path: str) -> Iterator[None]:
+    """Reading etcd's answer to ``path``: one of an unexpected shape is a
+    ``MalformedReply`` naming it, never an exception that ends the caller's thread."""
+    try:
+        yield
+    except MalformedReply as exc:
+        raise MalformedReply(f"etcd at {where} sent a malformed reply to {path}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+        what = f"{type(exc).__name__}: {exc}"[:120]
+        raise MalformedReply(f"etcd at {where} sent a malformed reply to {path} ({what})") from None
 
 
 class EtcdV3AuthError(RendezvousConnectionError):
@@ -193,7 +231,9 @@ class EtcdV3Client:
             raise self._classify(exc) from None
         try:
             data = json.loads(resp.data or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):
+            data = None
+        if not isinstance(data, dict):  # not etcd's JSON (a proxy's page, a tampered reply)
             data = {"error": resp.data[:200].decode(errors="replace")}
         if resp.status == 200:
             return data
@@ -248,7 +288,9 @@ class EtcdV3Client:
             if self._token is not None and self._token != stale:
                 return self._token
         body = {"name": self.config.username, "password": self.config.password or ""}
-        token = str(self.call("auth/authenticate", body, auth=False)["token"])
+        reply = self.call("auth/authenticate", body, auth=False)
+        with reading_reply(self.url, "auth/authenticate"):
+            token = str(reply["token"])
         with self._lock:
             self._token = token
         return token
@@ -342,18 +384,20 @@ class EtcdV3Client:
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    result = json.loads(line or b"{}").get("result", {})
+                    result = reply_dict(json.loads(line or b"{}"), "result")
                     if result.get("canceled"):
                         reason = str(result.get("cancel_reason", ""))
                         if "auth token" in reason:
                             self._authenticate(token)
                         return
-                    yield from result.get("events", [])
+                    events = result.get("events", [])
+                    if isinstance(events, list):
+                        yield from (e for e in events if isinstance(e, dict))
                 if time.monotonic() >= deadline:
                     return
         except urllib3.exceptions.ReadTimeoutError:
             return  # the slice ended with nothing (more) to report
-        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+        except (urllib3.exceptions.HTTPError, OSError, ValueError, RecursionError) as exc:
             self._watch_failed(index, exc)
         finally:
             resp.close()  # never hand a half-read stream back to the pool

@@ -41,9 +41,12 @@ from elastic.plugins.rdzv_etcd_v3.client import (
     DEFAULT_PORT,
     EtcdV3Client,
     LeaseNotFoundError,
+    MalformedReply,
     OutcomeUnknown,
     V3Config,
     b64,
+    reading_reply,
+    reply_dict,
     unb64,
 )
 
@@ -70,9 +73,13 @@ def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
-    kvs = response.get("response_range", {}).get("kvs")
-    return kvs[0] if kvs else None
+def _kv(response: object) -> dict[str, Any] | None:
+    kvs = reply_dict(response, "response_range").get("kvs")
+    if not kvs:
+        return None
+    if not (isinstance(kvs, list) and isinstance(kvs[0], dict)):
+        raise MalformedReply(f"'kvs' is not a list of key-values: {str(kvs)[:60]!r}")
+    return kvs[0]
 
 
 def _range(key: str) -> dict[str, Any]:
@@ -113,7 +120,8 @@ class _Lease:
         if self._stop.is_set():
             raise RendezvousConnectionError(f"the etcd store at {self._client.url} is closed")
         reply = self._client.call("lease/grant", {"TTL": self.ttl, "ID": 0})
-        self._id, self.granted_ttl = int(reply["ID"]), int(reply.get("TTL", self.ttl))
+        with reading_reply(self._client.url, "lease/grant"):
+            self._id, self.granted_ttl = int(reply["ID"]), int(reply.get("TTL", self.ttl))
         if self._thread is None:
             self._thread = threading.Thread(target=self._keep, name="etcd-v3-lease", daemon=True)
             self._thread.start()
@@ -131,7 +139,8 @@ class _Lease:
                 reply = self._client.call(
                     "lease/keepalive", {"ID": str(lease)}, retry_for=beat, timeout=beat
                 )
-                expired = int(reply.get("result", {}).get("TTL", 0)) <= 0  # no TTL: no lease
+                with reading_reply(self._client.url, "lease/keepalive"):  # no TTL: no lease
+                    expired = int(reply_dict(reply, "result").get("TTL", 0)) <= 0
             except LeaseNotFoundError:
                 expired = True
             except RendezvousError as exc:
@@ -231,12 +240,13 @@ class EtcdV3Store:
         for start in range(0, len(full), MAX_TXN_OPS):
             chunk = full[start : start + MAX_TXN_OPS]
             reply = self._client().call("kv/txn", {"success": [_range(k) for k in chunk]})
-            # A watch from the first chunk's revision sees anything a later chunk missed.
-            revision = revision or int(reply["header"]["revision"])
-            for key, response in zip(chunk, reply.get("responses", []), strict=True):
-                kv = _kv(response)
-                if kv is not None:
-                    found[key] = kv
+            with reading_reply(self.where, "kv/txn"):
+                # A watch from the first chunk's revision sees anything a later chunk missed.
+                revision = revision or int(reply_dict(reply, "header")["revision"])
+                for key, response in zip(chunk, reply.get("responses", []), strict=True):
+                    kv = _kv(response)
+                    if kv is not None:
+                        found[key] = kv
         return found, revision
 
     def set(self, key: str, value: bytes | str) -> None:
@@ -252,13 +262,16 @@ class EtcdV3Store:
             self._client().call("kv/put", {**body, "lease": str(lease)})
 
     def get(self, key: str) -> bytes:
-        return unb64(self._await([key], None)[self._k(key)].get("value"))
+        found = self._await([key], None)
+        with reading_reply(self.where, "kv/txn"):
+            return unb64(found[self._k(key)].get("value"))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Values in ``keys`` order, read at one revision when ``keys`` fit one txn. A key
         that does not exist (e.g. a heartbeat whose lease just expired) reads as ``b""``."""
         found, _ = self._read(keys)
-        return [unb64(found[k].get("value")) if k in found else b"" for k in map(self._k, keys)]
+        with reading_reply(self.where, "kv/txn"):
+            return [unb64(found[k].get("value")) if k in found else b"" for k in map(self._k, keys)]
 
     def check(self, keys: Sequence[str]) -> bool:
         return len(self._read(keys)[0]) == len(set(keys))
@@ -296,7 +309,10 @@ class EtcdV3Store:
                 slice_ = min(slice_, WAIT_TICK)
             for event in self._client().watch(span[0], span[-1] + b"\0", revision + 1, slice_):
                 if event.get("type") != "DELETE":
-                    missing.discard(unb64(event["kv"]["key"]).decode(errors="replace"))
+                    with reading_reply(self.where, "watch"):
+                        missing.discard(
+                            unb64(reply_dict(event, "kv")["key"]).decode(errors="replace")
+                        )
                 if not missing:
                     break
             if missing and tick is not None:
@@ -343,11 +359,12 @@ class EtcdV3Store:
             else:
                 if reply.get("succeeded"):
                     return value + amount
-            kv, mark = (_kv(r) for r in reply["responses"])
-            applied = unb64(mark.get("value")) if mark else b""
-            if applied in outcomes:
-                return outcomes[applied]
-            value, mod = self._counter(kv, full), int(kv["mod_revision"]) if kv else 0
+            with reading_reply(self.where, "kv/txn"):
+                kv, mark = (_kv(r) for r in reply["responses"])
+                applied = unb64(mark.get("value")) if mark else b""
+                if applied in outcomes:
+                    return outcomes[applied]
+                value, mod = self._counter(kv, full), int(kv["mod_revision"]) if kv else 0
 
     @staticmethod
     def _counter(kv: dict[str, Any] | None, full: str) -> int:
@@ -373,14 +390,16 @@ class EtcdV3Store:
         # Retried as is after a lost reply: if the first try applied, this one fails and
         # reads back our own value, which is the right answer.
         reply = self._client().call("kv/txn", txn)
-        if reply.get("succeeded"):
-            return new
-        kv = _kv(reply["responses"][0])
-        return unb64(kv.get("value")) if kv else want
+        with reading_reply(self.where, "kv/txn"):
+            if reply.get("succeeded"):
+                return new
+            kv = _kv(reply["responses"][0])
+            return unb64(kv.get("value")) if kv else want
 
     def delete_key(self, key: str) -> bool:
         reply = self._client().call("kv/deleterange", {"key": b64(self._k(key))})
-        return int(reply.get("deleted", 0)) > 0
+        with reading_reply(self.where, "kv/deleterange"):
+            return int(reply.get("deleted", 0)) > 0
 
     def peer_silence(self) -> None:
         """Requests go through a pool of HTTP connections: no one connection to ask."""

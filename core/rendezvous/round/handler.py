@@ -67,7 +67,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         self.run_id = params.run_id
         # Every record is signed and checked with the job token (signing.py); the raw
         # stores are kept to close them.
-        self.job_store = SignedStore(job_store, settings.token, params.run_id)
+        self.job_store = SignedStore(
+            job_store, settings.token, params.run_id, write_back=not params.read_only
+        )
         self.rdzv_store = self.job_store.sub("rdzv/")
         self._raw_stores = [s for s in (lease_store, monitor_store, job_store) if s is not None]
         self._monitor_store = monitor_store
@@ -102,8 +104,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         )
         self._monitor: Monitor | None = None
         if monitor_store is not None and not params.read_only:
+            memory = self.job_store.memory  # the newest deciding records seen, node-wide
             self._monitor = Monitor(
-                SignedStore(monitor_store, settings.token, params.run_id),
+                SignedStore(monitor_store, settings.token, params.run_id, memory=memory),
                 self.node_id,
                 settings.heartbeat_interval,
                 settings.heartbeat_timeout,
@@ -111,7 +114,7 @@ class RoundRendezvousHandler(RendezvousHandler):
                 hello_line(settings.token, params.run_id, self.node_id),
                 None
                 if lease_store is None
-                else SignedStore(lease_store, settings.token, params.run_id),
+                else SignedStore(lease_store, settings.token, params.run_id, memory=memory),
             )
             # Its threads start with the handler, as the presence port does: a round is
             # then only round trips (a thousand nodes starting threads at once, in one

@@ -109,7 +109,7 @@ class Forming:
                 missing=None if missing is None else tuple(str(m) for m in missing),
                 missing_count=int(rec["missing_count"]),
             )
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             return None  # a line is not worth an error: say less instead
 
     def line(self, timeout_in: float) -> str:

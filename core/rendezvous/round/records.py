@@ -72,9 +72,9 @@ def closed_at(raw: bytes) -> float | None:
     """When the job closed, from ``closed``'s value; None when it does not say."""
     try:
         at = json.loads(raw).get("at")
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    except (ValueError, AttributeError, OverflowError, RecursionError):
         return None
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
 
 
 def new_node_id() -> str:
@@ -127,7 +127,7 @@ def loads(raw: bytes, key: str) -> Any:
     """Parse a JSON value read from ``key`` (full key name, for the error message)."""
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
         raise RendezvousStateError(
             f"rendezvous state key {key!r} does not hold JSON: {bytes(raw[:60])!r}"
         ) from None
@@ -156,11 +156,19 @@ def signed(token: bytes | None, run_id: str, record: dict[str, Any]) -> dict[str
     return record
 
 
-def verify(token: bytes | None, run_id: str, record: dict[str, Any]) -> bool:
+def verify(token: bytes | None, run_id: str, record: object) -> bool:
+    """Whether ``record`` (anything a peer sent) carries this job's signature. Total: the
+    signature is compared as bytes, since ``hmac.compare_digest`` raises a TypeError for
+    a str with non-ASCII characters, which a peer may send."""
     if token is None:
         return True
+    if not isinstance(record, dict):
+        return False
     sig = record.get("sig")
-    return isinstance(sig, str) and hmac.compare_digest(sig, sign(token, run_id, record))
+    if not isinstance(sig, str):
+        return False
+    expected = sign(token, run_id, record).encode()
+    return hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), expected)
 
 
 def valid_join(record: Any, rnd: int) -> bool:
