@@ -3,12 +3,12 @@
 Our ``TCPStoreServer`` with a job token runs in a process of its own (as in the agent
 that hosts it). ``--strangers`` connections without the token (one attacker process,
 non-blocking sockets) send VALIDATE and then PINGs pipelined as fast as the server takes
-them, never reading an answer, and reconnect whenever it drops them. Meanwhile a member (a client that proved
-the token) sends one ``check`` every ``--every`` s and times it. Reported per phase
-(quiet first, then flooded): median, p99 and max latency of the member's requests, and
-how many connections the strangers opened. ``--no-budget`` runs the server without the
-strangers' budget and cap (``admission.Admission.budgeted`` false), as before they
-existed, for comparison.
+them, never reading an answer, and reconnect whenever it drops them. Meanwhile a member
+(a client that proved the token) sends one ``check`` every ``--every`` s and times it.
+Reported per phase (quiet first, then flooded): median, p99 and max latency of the
+member's requests, and how many connections the strangers opened. ``--no-budget`` runs
+the server without the strangers' budget and cap (``admission.Admission.budgeted``
+false), as before they existed, for comparison.
 
     python bench/store_flood.py --strangers 32 --seconds 20
 """
