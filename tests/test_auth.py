@@ -60,6 +60,7 @@ def torch_served(port: int) -> Iterator[Any]:
 def token_file(tmp_path: Path) -> str:
     path = tmp_path / "token"
     path.write_bytes(TOKEN + b"\n")
+    path.chmod(0o600)  # a token file others may read is refused
     return str(path)
 
 
@@ -335,6 +336,7 @@ def test_the_token_from_the_environment(
     assert parse_round_settings(params_with({})).token == TOKEN
     other = tmp_path / "other"
     other.write_text("from-the-flag")
+    other.chmod(0o600)
     flag = parse_round_settings(params_with({"token_file": str(other)}))
     assert flag.token == b"from-the-flag"  # the explicit flag wins
     monkeypatch.setenv("ELASTIC_RDZV_TOKEN", "inline")

@@ -108,6 +108,7 @@ class Site:
         )
         self.token = workdir / "token"
         self.token.write_text("the-job-token\n")
+        self.token.chmod(0o600)  # a token file others may read is refused
         (workdir / "intruder.py").write_text(INTRUDER)
 
     def close(self) -> None:

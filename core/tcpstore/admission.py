@@ -91,6 +91,11 @@ class Admission:
             return open_now
         return open_now - len(self._strangers) + MAX_STRANGERS
 
+    def request_limit(self) -> int:
+        """The largest request a validated connection may send before it proves the
+        token: the handshake's, unless it may be a guest (torch's client's requests)."""
+        return wire.AUTH_REQUEST_LEN if self.members_only is None else wire.MAX_REQUEST_LEN
+
     def arrived(self, conn: Peer) -> Peer | None:
         """A new connection; returns the stranger to drop to make room, if any."""
         if not self.budgeted:

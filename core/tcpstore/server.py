@@ -413,8 +413,8 @@ class TCPStoreServer:
             conn.validated = True
             if conn.authenticated:
                 admission.admit(conn)
-            elif self._admission.members_only is None:  # the handshake deadline stands
-                conn.parser.max_len = wire.AUTH_REQUEST_LEN
+            else:  # the handshake deadline stands until the token is proved
+                conn.parser.max_len = self._admission.request_limit()
         elif query is Query.PING:
             out += wire.U32.pack(req.number)
         elif query in (Query.AUTH_HELLO, Query.AUTH_PROOF) or not self._admission.admits(conn, req):

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
+
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
 
@@ -211,6 +213,8 @@ def _callable_bootstrap(
     if parent_pid is None:
         _release_forkserver()
     die_with_parent(parent_pid)
+    for name in AGENT_ONLY_ENV:  # the job's secrets are the agent's, never a worker's
+        os.environ.pop(name, None)
     os.environ.update(env)
     if "ELASTIC_STACK_FILE" in env:  # a command worker gets this from sitecustomize
         from elastic.core.workers.boot.sitecustomize import install
@@ -324,7 +328,8 @@ def start_worker(
             logs.stdout,
             logs.stderr,
         )
-    env = {**os.environ, **extra_env, **worker_env}
+    inherited = {k: v for k, v in os.environ.items() if k not in AGENT_ONLY_ENV}
+    env = {**inherited, **extra_env, **worker_env}
     return CommandWorker(local_rank, [spec.entrypoint, *args], env, logs.stdout, logs.stderr)
 
 
