@@ -8,10 +8,11 @@ JSON; the others wait for it.
 
 With a job token (``--rdzv-conf token_file``, or the environment; see
 ``core/rendezvous/secrets.py``) every agent proves it to node 0's store, and only agents
-may touch the keys under ``<run_id>/``: a stranger can neither read nor change the rounds. The workers use
-the store too, through torch's own client, which cannot prove a token: they are served
-as guests everywhere else (``elastic.core.tcpstore.admission``), and so is anyone who
-reaches the port; node 0 says so in one line when the store is reachable beyond loopback.
+may touch the keys under ``<run_id>/``: a stranger can neither read nor change the
+rounds. The workers use the store too, through torch's own client, which cannot prove a
+token: they are served as guests everywhere else (``elastic.core.tcpstore.admission``),
+and so is anyone who reaches the port; node 0 says so in one line when the store is
+reachable beyond loopback.
 
 The workers use this store, as under torchrun: ``MASTER_ADDR:MASTER_PORT`` is
 ``--master-addr:--master-port`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, so every worker
