@@ -25,7 +25,7 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from elastic.core.tcpstore import wire
 from elastic.core.tcpstore.limits import LimitLog
@@ -64,7 +64,10 @@ class Peer(Protocol):
     parser: wire.RequestParser
 
 
-class Admission:
+C = TypeVar("C", bound=Peer)
+
+
+class Admission(Generic[C]):
     """The rules of one server: ``token`` (None: every connection is a member at once)
     and ``members_only`` (a key prefix: torch's clients are served as guests outside it;
     None: a connection that does not prove the token gets nothing)."""
@@ -76,7 +79,7 @@ class Admission:
         self.members_only = members_only
         self._limits = limits
         # Strangers under a budget, oldest first: [bytes received, requests].
-        self._strangers: dict[Peer, list[int]] = {}
+        self._strangers: dict[C, list[int]] = {}
         self._intruders: set[str] = set()  # client hosts that failed to prove it
 
     @property
@@ -96,7 +99,7 @@ class Admission:
         token: the handshake's, unless it may be a guest (torch's client's requests)."""
         return wire.AUTH_REQUEST_LEN if self.members_only is None else wire.MAX_REQUEST_LEN
 
-    def arrived(self, conn: Peer) -> Peer | None:
+    def arrived(self, conn: C) -> C | None:
         """A new connection; returns the stranger to drop to make room, if any."""
         if not self.budgeted:
             return None
@@ -110,14 +113,14 @@ class Admission:
         )
         return oldest
 
-    def left(self, conn: Peer) -> None:
+    def left(self, conn: C) -> None:
         self._strangers.pop(conn, None)
 
-    def recv_size(self, conn: Peer, size: int) -> int:
+    def recv_size(self, conn: C, size: int) -> int:
         """How much to read from ``conn`` at once: a stranger never more than its budget."""
         return STRANGER_BYTES + 1 if conn in self._strangers else size
 
-    def charge(self, conn: Peer, received: int = 0, requests: int = 0) -> None:
+    def charge(self, conn: C, received: int = 0, requests: int = 0) -> None:
         """Count bytes or requests against a stranger's budget; ``Refused`` past it."""
         spent = self._strangers.get(conn)
         if spent is None:
@@ -131,7 +134,7 @@ class Admission:
                 f"over {STRANGER_REQUESTS} requests before proving the token", "STRANGER_REQUESTS"
             )
 
-    def admits(self, conn: Peer, req: wire.Request) -> bool:
+    def admits(self, conn: C, req: wire.Request) -> bool:
         """Whether ``req`` (not VALIDATE, PING or AUTH_*) is served to ``conn``: a member,
         or a guest away from the members' keys (one that is not is refused). False: the
         connection must prove the token first (``handshake`` refuses it)."""
@@ -147,7 +150,7 @@ class Admission:
                 raise Refused(f"{req.query.name} of a key only members may touch")
         return True
 
-    def handshake(self, conn: Peer, req: wire.Request) -> bytes:
+    def handshake(self, conn: C, req: wire.Request) -> bytes:
         """The answer to AUTH_HELLO or AUTH_PROOF (see ``wire``); any other request of a
         connection that has not proved the token is refused."""
         if req.query is Query.AUTH_HELLO and conn.challenge is None and not conn.guest:

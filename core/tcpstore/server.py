@@ -139,7 +139,7 @@ class TCPStoreServer:
         self._timed: set[_Conn] = set()
         self._sel = selectors.DefaultSelector()
         self._limits = limits.LimitLog(f"TCPStore server on port {self.port}")
-        self._admission = admission.Admission(token, self._limits, members_only)
+        self._admission = admission.Admission[_Conn](token, self._limits, members_only)
         self._listener = limits.Listener(
             sock, self._sel, "accept", limits.MAX_CONNECTIONS, self._limits
         )
