@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import handshaken
+from conftest import handshaken, raw
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
     RendezvousConnectionError,
@@ -76,16 +76,20 @@ def test_a_stranger_pipelining_pings_is_dropped_at_its_budget(
 def test_strangers_have_a_cap_of_their_own(
     monkeypatch: pytest.MonkeyPatch, caught: pytest.LogCaptureFixture
 ) -> None:
-    """Strangers beyond their cap push out the oldest stranger, never a member: a member
-    connects and is served while strangers hold every stranger's slot."""
+    """At their cap, a new stranger is closed while the others are within their grace,
+    and pushes out the oldest after it: strangers holding every stranger's slot delay a
+    member connecting by about the grace, never keep it out; members already in are
+    served throughout."""
     monkeypatch.setattr(admission, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(admission, "STRANGER_GRACE", 0.5)
     with TCPStoreServer(HOST, 0, token=TOKEN) as srv:
         member = TCPStoreClient(HOST, srv.port, token=TOKEN)
-        strangers = [handshaken(srv.port) for _ in range(10)]
+        strangers = [handshaken(srv.port) for _ in range(4)]
         try:
-            for sock in strangers[:6]:  # the oldest were pushed out
-                assert read_until_closed(sock) == b""
-            newcomer = TCPStoreClient(HOST, srv.port, token=TOKEN)
+            with raw(srv.port) as late:  # within the others' grace: closed at once
+                assert read_until_closed(late) == b""
+            newcomer = TCPStoreClient(HOST, srv.port, timeout=5, token=TOKEN)  # tries again
+            assert read_until_closed(strangers[0]) == b""  # the oldest, past its grace
             newcomer.set("k", "v")
             assert member.get("k") == b"v"
             newcomer.close()

@@ -5,9 +5,12 @@ With a token, every connection starts as a *stranger*: it may validate, ping and
 token handshake (``wire``: both sides prove the token, the server first), nothing else,
 and only within a small budget: ``STRANGER_REQUESTS`` requests, ``STRANGER_BYTES``
 bytes and ``limits.HANDSHAKE_WAIT`` seconds; beyond any of them it is dropped. Strangers
-have a cap of their own, ``MAX_STRANGERS``: a new one beyond it pushes out the oldest,
-so a flood of strangers never takes the members' connection slots, and a member's own
-handshake (one round trip) is never queued behind a stranger's for long. A connection
+have a cap of their own, ``MAX_STRANGERS``, apart from the members': a new one beyond it
+pushes out the oldest stranger if that one had ``STRANGER_GRACE`` to prove the token
+(a member needs a round trip or two), else it is closed at once and our client tries
+again, as with a busy store. A flood of strangers never takes the members' slots and
+cannot hold the strangers' for long; a burst of members connecting at once (a large job
+starting) is let in as fast as handshakes complete, not pushed out mid-handshake. A connection
 that proved the token is a *member* and is served as a store is, without a budget: a
 flood of strangers pipelining requests costs a member at most one pass of the loop over
 a few hundred bytes each.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import time
 from typing import Generic, Protocol, TypeVar
 
 from elastic.core.tcpstore import wire
@@ -34,8 +38,11 @@ from elastic.core.tcpstore.wire import Query
 log = logging.getLogger(__name__)
 
 # Connections yet to prove the token, at once. A member needs one for a round trip or
-# two; 32 peers flooding still leave room for every member connecting at the same time.
-MAX_STRANGERS = 64
+# two; a flood of 32 strangers leaves most of them to members connecting meanwhile.
+MAX_STRANGERS = 256
+# Seconds a stranger keeps its slot at the cap before a newcomer may push it out: a
+# member's handshake takes milliseconds, a second on a machine starved of CPU.
+STRANGER_GRACE = 1.0
 # Requests before the token is proved: VALIDATE, PING, AUTH_HELLO and AUTH_PROOF are
 # four; the rest is slack for a client that pings again.
 STRANGER_REQUESTS = 8
@@ -78,8 +85,8 @@ class Admission(Generic[C]):
         self.token = token
         self.members_only = members_only
         self._limits = limits
-        # Strangers under a budget, oldest first: [bytes received, requests].
-        self._strangers: dict[C, list[int]] = {}
+        # Strangers under a budget, oldest first: [bytes received, requests, arrived at].
+        self._strangers: dict[C, list[float]] = {}
         self._intruders: set[str] = set()  # client hosts that failed to prove it
 
     @property
@@ -100,16 +107,20 @@ class Admission(Generic[C]):
         return wire.AUTH_REQUEST_LEN if self.members_only is None else wire.MAX_REQUEST_LEN
 
     def arrived(self, conn: C) -> C | None:
-        """A new connection; returns the stranger to drop to make room, if any."""
+        """A new connection; returns the one to drop at the strangers' cap, if any: the
+        oldest stranger once it had its grace, else ``conn`` itself."""
         if not self.budgeted:
             return None
-        self._strangers[conn] = [0, 0]
+        now = time.monotonic()
+        self._strangers[conn] = [0, 0, now]
         if len(self._strangers) <= MAX_STRANGERS:
             return None
         oldest = next(iter(self._strangers))
+        if now - self._strangers[oldest][2] < STRANGER_GRACE:
+            oldest = conn
         self._limits.hit(
             "MAX_STRANGERS",
-            f"{MAX_STRANGERS} connections have not proved the token; dropping the oldest",
+            f"{MAX_STRANGERS} connections have not proved the token; dropping one",
         )
         return oldest
 
