@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-import logging
 import secrets
 import selectors
 import socket
@@ -46,8 +45,6 @@ from typing import Any
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.signing import mac
 from elastic.core.tcpstore import limits
-
-log = logging.getLogger(__name__)
 
 BLIP_GRACE = 0.5  # s a closed connection may take to come back before it is a death
 HELLO_MAX = 512  # bytes of a hello line
@@ -222,7 +219,7 @@ class PresenceServer:
         try:
             self._read(conn)
         except Exception as exc:  # a bug a peer's bytes found: never the whole port
-            log.warning("presence port %d: dropped a connection: %r", self.port, exc)
+            self._limits.hit("PEER_ERROR", f"dropped a connection on {exc!r}")
             self._drop(conn)
 
     def _accept(self) -> None:
