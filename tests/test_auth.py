@@ -21,8 +21,10 @@ from elastic.core.interfaces import failures as fail
 from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
+    RendezvousConnectionError,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.signing import SignedStore
@@ -58,6 +60,7 @@ def torch_served(port: int) -> Iterator[Any]:
 def token_file(tmp_path: Path) -> str:
     path = tmp_path / "token"
     path.write_bytes(TOKEN + b"\n")
+    path.chmod(0o600)  # a token file others may read is refused
     return str(path)
 
 
@@ -68,8 +71,8 @@ Make = Callable[..., C10dRendezvousHandler]
 def make(port: int, token_file: str) -> Iterator[Make]:
     made: list[C10dRendezvousHandler] = []
 
-    def factory(n: int = 2) -> C10dRendezvousHandler:
-        config = {**FAST, "token_file": token_file}
+    def factory(n: int = 2, **conf: str) -> C10dRendezvousHandler:
+        config = {**FAST, "token_file": token_file, **conf}
         params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "job", n, n, config=config)
         handler = create_handler(params)
         assert isinstance(handler, C10dRendezvousHandler)
@@ -89,8 +92,9 @@ def rendezvous_all(handlers: list[C10dRendezvousHandler]) -> list[RendezvousInfo
 
 @pytest.fixture
 def job(torch_served: Any, make: Make) -> tuple[list[C10dRendezvousHandler], list[RendezvousInfo]]:
-    """Two nodes with the token in round 0, on a store anyone can write to."""
-    handlers = [make(), make()]
+    """Two nodes with the token in round 0, on a store anyone can write to (torch's:
+    ``is_host=false`` says the store is external, so one that cannot prove the token)."""
+    handlers = [make(is_host="false"), make(is_host="false")]
     infos = rendezvous_all(handlers)
     assert not any(h.is_hosting for h in handlers)  # torch serves it
     return handlers, infos
@@ -191,7 +195,7 @@ def test_a_forged_join_cannot_take_rank_0(torch_served: Any, make: Make) -> None
     slot = torch_served.add(JOB + "rdzv/" + R.count_key(0), 1)
     forged = {"id": "evil:1:x", "host": "evil", "addr": "10.9.9.9", "port": 1, "round": 0}
     torch_served.set(JOB + "rdzv/" + R.join_key(0, slot), json.dumps({**forged, "rank_hint": 0}))
-    handlers = [make(), make()]
+    handlers = [make(is_host="false"), make(is_host="false")]
     infos = rendezvous_all(handlers)
     assert "evil:1:x" not in round_members(handlers[0], infos[0])
     assert {i.master_addr for i in infos} == {"127.0.0.1"}
@@ -209,7 +213,7 @@ def server() -> Iterator[TCPStoreServer]:
 def test_a_client_without_the_token_gets_nothing(server: TCPStoreServer) -> None:
     with pytest.raises(RendezvousAuthError, match="requires the job's token"):
         TCPStoreClient("127.0.0.1", server.port)
-    with pytest.raises(RendezvousAuthError, match="refused this node's token"):
+    with pytest.raises(RendezvousAuthError, match="holds another token than this node"):
         TCPStoreClient("127.0.0.1", server.port, token=b"a-guess")
     # torch's client skips the handshake: its first request closes the connection.
     store = torch_client(server.port)
@@ -223,10 +227,26 @@ def test_a_client_without_the_token_gets_nothing(server: TCPStoreServer) -> None
 
 
 def test_our_client_with_a_token_works_with_torchs_server(torch_served: Any, port: int) -> None:
+    """Only where the user said the store is external: torch's server closes the
+    connection at the token handshake, as a busy store or an impostor might."""
     torch_served.set("from-torch", "1")
     for _ in range(2):  # the second connection skips the handshake torch refused
-        with TCPStoreClient("127.0.0.1", port, token=TOKEN) as client:
+        with TCPStoreClient("127.0.0.1", port, token=TOKEN, torch_ok=True) as client:
             assert client.get("from-torch") == b"1"
+
+
+def test_a_store_that_cannot_prove_the_token_is_not_taken_unasked(
+    torch_served: Any, port: int
+) -> None:
+    """Without ``torch_ok`` a store closing at the handshake is busy, tried again until
+    the connect timeout, then one line naming the way to accept torch's server; it is
+    never marked torch-served for the process (the next client still asks)."""
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match="is_host=false") as caught:
+            TCPStoreClient("127.0.0.1", port, timeout=1.0, token=TOKEN)
+        assert not isinstance(caught.value, RendezvousStoreGoneError)
+        assert 0.5 < time.monotonic() - started < 5  # tried again, then gave up
 
 
 def test_status_authenticates_with_the_token(port: int, make: Make, token_file: str) -> None:
@@ -316,6 +336,7 @@ def test_the_token_from_the_environment(
     assert parse_round_settings(params_with({})).token == TOKEN
     other = tmp_path / "other"
     other.write_text("from-the-flag")
+    other.chmod(0o600)
     flag = parse_round_settings(params_with({"token_file": str(other)}))
     assert flag.token == b"from-the-flag"  # the explicit flag wins
     monkeypatch.setenv("ELASTIC_RDZV_TOKEN", "inline")

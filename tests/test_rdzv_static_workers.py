@@ -114,15 +114,25 @@ record = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER
                                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                                      "TORCHELASTIC_USE_AGENT_STORE")}
 record["sum"], record["stale"] = value.item(), stale
+record["secrets"] = sorted(k for k in os.environ if k.startswith("ELASTIC_RDZV_"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 dist.destroy_process_group()
 """
 
 
-def run_two_nodes(procs, tmp_path: Path, port: int, mode: str, method: str, *flags: str):  # noqa: ANN001, ANN201
+def run_two_nodes(  # noqa: ANN201
+    procs,  # noqa: ANN001
+    tmp_path: Path,
+    port: int,
+    mode: str,
+    method: str,
+    *flags: str,
+    env_extra: dict[str, str] | None = None,
+):
     """``elastic run --nnodes=2 --node-rank=R --master-port=PORT ... worker.py`` for both
-    nodes; every rank's record of its last attempt, checked for what every job shares."""
+    nodes; every rank's record of its last attempt, checked for what every job shares
+    (``env_extra``: more of the agents' environment)."""
     from conftest import cli_env
 
     script = tmp_path / "worker.py"
@@ -130,7 +140,7 @@ def run_two_nodes(procs, tmp_path: Path, port: int, mode: str, method: str, *fla
     out = tmp_path / "out"
     out.mkdir()
     # A lost reverse-DNS query would stall a TCPStore connection 5 s (see design notes).
-    env = cli_env({"RES_OPTIONS": "timeout:1 attempts:1"})
+    env = cli_env({"RES_OPTIONS": "timeout:1 attempts:1", **(env_extra or {})})
     nodes = [
         procs.elastic(
             "run",
@@ -184,3 +194,14 @@ def test_e2e_a_restart_starts_on_a_clean_store(procs, tmp_path, port: int, mode,
     # gloo group without meeting attempt 0's keys (``stale``: checked in run_two_nodes).
     records = run_two_nodes(procs, tmp_path, port, mode, method, "--max-restarts=1")
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_e2e_a_token_job_keeps_its_token_from_the_workers(procs, tmp_path, port: int) -> None:  # noqa: ANN001
+    """The agents coordinate with the token (node 0's store admits them by it) while the
+    workers, torch's clients, use the same store without it; no worker inherits the
+    token from its agent's environment."""
+    env = {"ELASTIC_RDZV_TOKEN": "a-job-token-of-more-than-16-bytes"}
+    records = run_two_nodes(procs, tmp_path, port, "ok", "env", env_extra=env)
+    assert [r["secrets"] for r in records] == [[]] * 4

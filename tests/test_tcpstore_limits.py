@@ -4,13 +4,14 @@ costs only the offending connection and is logged once."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -141,7 +142,7 @@ def test_until_the_token_is_proved_a_connection_may_send_only_the_handshake(
         # Validated but not authenticated: a SET announcing an 8 MiB value is refused on
         # its header, not buffered until its end (or the request deadline) before refusal.
         header = wire.request(wire.Query.SET, wire.blob(b"/k"), wire.U64.pack(wire.MAX_VALUE_LEN))
-        sock.sendall(header + b"v" * 1024)
+        sock.sendall(header)
         assert closed_by_server(sock, within=5) == b""
     assert len(warnings_about(caught, "MAX_REQUEST_LEN")) == 1
 
@@ -308,11 +309,26 @@ def test_out_of_descriptors_accept_backs_off_instead_of_spinning(kind: str) -> N
 
 # --- the presence port, by the same rules ---------------------------------------------------
 
+CHALLENGE = re.compile(rb"[0-9a-f]{%d}\n" % presence.NONCE_LEN)
+
+
+def hello_of(node: str, rnd: int = 0) -> Callable[[str], bytes]:
+    """A member's answer to a challenge (tokenless job "job")."""
+    return lambda nonce: hello_line(None, "job", node, rnd, nonce)
+
+
+def say_hello(sock: socket.socket, node: str, rnd: int = 0) -> None:
+    """Read the presence port's challenge on ``sock`` and answer it as ``node``."""
+    line = b""
+    while not line.endswith(b"\n"):
+        line += sock.recv(64)
+    sock.sendall(hello_of(node, rnd)(line.strip().decode()))
+
 
 @pytest.fixture
 def presence_port() -> Iterator[PresenceServer]:
     server = PresenceServer(HOST, None, "job")
-    server.watch(["n1", "n2"])
+    server.watch(["n1", "n2"], 0)
     try:
         yield server
     finally:
@@ -325,15 +341,14 @@ def test_presence_connections_over_the_cap_are_closed_at_once(
 ) -> None:
     monkeypatch.setattr(presence, "MAX_CONNECTIONS", 2)
     server = PresenceServer(HOST, None, "job")
-    server.watch(["n1", "n2"])
+    server.watch(["n1", "n2"], 0)
     held = [raw(server.port) for _ in range(2)]
     try:
         for sock, node in zip(held, ["n1", "n2"], strict=True):
-            sock.sendall(hello_line(None, "job", node))
+            say_hello(sock, node)
         for _ in range(3):
             with raw(server.port) as excess:
-                excess.sendall(hello_line(None, "job", "n1"))
-                assert closed_by_server(excess) == b""
+                assert closed_by_server(excess) == b""  # not even a challenge
         for sock in held:  # the two within the cap are kept
             sock.settimeout(0.5)
             with pytest.raises(TimeoutError):
@@ -351,12 +366,12 @@ def test_presence_hellos_that_are_late_or_too_long_are_dropped(
 ) -> None:
     monkeypatch.setattr(presence, "HELLO_WAIT", 0.5)
     member = raw(presence_port.port)
-    member.sendall(hello_line(None, "job", "n1"))
+    say_hello(member, "n1")
     for _ in range(2):
         with raw(presence_port.port) as silent, raw(presence_port.port) as chatty:
             chatty.sendall(b"x" * (2 * presence.HELLO_MAX))
-            assert closed_by_server(chatty, within=5) == b""
-            assert closed_by_server(silent, within=5) == b""
+            assert CHALLENGE.fullmatch(closed_by_server(chatty, within=5))
+            assert CHALLENGE.fullmatch(closed_by_server(silent, within=5))
     with member:  # a member that said hello stays, however long it says nothing more
         member.settimeout(0.5)
         with pytest.raises(TimeoutError):
@@ -382,9 +397,7 @@ def test_a_member_stopped_while_it_connects_says_goodbye(
         return sock
 
     monkeypatch.setattr(presence.PresenceClient, "_connect", connect_then_stall)
-    client = presence.PresenceClient(
-        HOST, presence_port.port, hello_line(None, "job", "n1"), lambda: None
-    )
+    client = presence.PresenceClient(HOST, presence_port.port, hello_of("n1"), lambda: None)
     assert connected.wait(5)
     client.stop()
     stopped.set()
@@ -403,8 +416,9 @@ def test_a_rank_0_too_busy_to_accept_is_not_taken_for_dead() -> None:
         gone = threading.Event()
         listener = socket.create_server((HOST, 0), backlog=0)
         port = listener.getsockname()[1]
-        client = presence.PresenceClient(HOST, port, hello_line(None, "job", "n1"), gone.set)
+        client = presence.PresenceClient(HOST, port, hello_of("n1"), gone.set)
         member, _ = listener.accept()
+        member.sendall(b"0" * presence.NONCE_LEN + b"\n")  # a challenge
         # Busy: a connection nobody accepts fills the accept queue (of 1), so the next
         # connect's SYNs are dropped and it times out. Gone: the port is closed.
         filler = socket.create_connection((HOST, port)) if busy else None

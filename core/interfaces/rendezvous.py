@@ -87,6 +87,16 @@ class RendezvousMismatchError(RendezvousError):
         self.fields = dict(fields or {})
 
 
+# The job's secrets in the agent's environment (``core/rendezvous/secrets.py``), for a
+# scheduler to inject: the job token (the path of a file holding it, or the token), and
+# the etcd password likewise. The agent reads them; no worker inherits them.
+TOKEN_FILE_ENV = "ELASTIC_RDZV_TOKEN_FILE"
+TOKEN_ENV = "ELASTIC_RDZV_TOKEN"
+PASSWORD_FILE_ENV = "ELASTIC_RDZV_PASSWORD_FILE"
+PASSWORD_ENV = "ELASTIC_RDZV_PASSWORD"
+AGENT_ONLY_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, PASSWORD_FILE_ENV, PASSWORD_ENV)
+
+
 class RendezvousAuthError(RendezvousError):
     """The store refused this node's job token, or asks for one this node lacks."""
 

@@ -4,10 +4,18 @@ It speaks to torch's own server (libuv or legacy) and to ``TCPStoreServer`` alik
 ``torch.distributed.Store`` semantics. One socket, requests serialised by a lock (the
 protocol has no request ids, so a response is matched to its request by order only).
 
-With a ``token`` the client proves it to the server before anything else (``wire``: the
-AUTH handshake); a torch-served store, which closes a connection that asks, is connected
-to again without it, once per endpoint and process. A client without a token still asks,
-so a store that wants one is one clear error rather than a dropped connection.
+With a ``token`` the client and the server prove it to each other before anything else
+(``wire``: the AUTH handshake, the server's proof first), so a listener without the token
+on a candidate endpoint gets nothing from us and is never taken for the job's store. A
+store that closes the connection at the handshake is busy (over its caps for
+connections that have not proved the token, ``admission``) and is tried again until
+``connect_timeout``, never read as "gone". torch's own server cannot prove a token and
+closes a connection that asks, just as one busy or an impostor might: a client with a
+token accepts it only where the user said the store is external (``torch_ok``: c10d's
+``is_host=false``), and is then connected to again without the handshake, once per
+endpoint and process. A client without a token still asks, so a store that wants one is
+one clear error rather than a dropped connection, and takes a store that closes at the
+handshake for torch's (it expects no proof).
 
 Every socket operation has a deadline: a server whose link went silently down (no RST)
 is reported after ``timeout`` seconds instead of hanging. After any connection error the
@@ -18,8 +26,10 @@ later call raises the same kind of error.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -44,8 +54,14 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # Endpoints served by torch's own TCPStore (it closed a connection that asked for the
-# token handshake): later connections skip the handshake. Process-wide, as the servers are.
+# token handshake, where that is accepted): later connections skip the handshake.
+# Process-wide, as the servers are.
 _TORCH_SERVED: set[str] = set()
+# A store that closes connections during the handshake is tried again after this pause,
+# doubled each time up to ``BUSY_PAUSE_MAX``, until the connect timeout.
+BUSY_PAUSE = 0.05
+BUSY_PAUSE_MAX = 1.0
+TORCH_OK_HINT = "if torch's TCPStore server serves it, say so with --rdzv-conf is_host=false"
 TOKEN_HINT = (
     "--rdzv-conf token_file=PATH, or ELASTIC_RDZV_TOKEN_FILE=PATH or ELASTIC_RDZV_TOKEN "
     "in the environment"
@@ -76,6 +92,15 @@ class _WaitExpired(Exception):
     """A WAIT's own timeout passed (not a connection failure)."""
 
 
+class _Busy(Exception):
+    """The server closed the connection during the handshake (``at_hello``: when asked
+    for the token handshake, as torch's server does)."""
+
+    def __init__(self, what: str, at_hello: bool = False) -> None:
+        super().__init__(what)
+        self.at_hello = at_hello
+
+
 def _as_bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
@@ -85,8 +110,10 @@ class TCPStoreClient:
 
     ``timeout`` (seconds) bounds every operation, and is the default for ``wait`` and
     ``get`` (which block until their keys exist); ``connect_timeout`` (default:
-    ``timeout``) bounds the connection and handshake. Connection refused is not
-    retried: the caller decides whether a store that is not up yet is worth waiting for.
+    ``timeout``) bounds the connection and handshake, retried while the store closes
+    connections during the handshake (busy). Connection refused is not retried: the
+    caller decides whether a store that is not up yet is worth waiting for. ``torch_ok``:
+    with a token, accept a store that cannot prove it (torch's; see the module).
     """
 
     def __init__(
@@ -96,6 +123,7 @@ class TCPStoreClient:
         timeout: float = 10.0,
         connect_timeout: float | None = None,
         token: bytes | None = None,
+        torch_ok: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -107,13 +135,35 @@ class TCPStoreClient:
         self._dead: RendezvousConnectionError | None = None
         self._closed = False
         limit = timeout if connect_timeout is None else connect_timeout
-        self._connect(limit)
-        if self.where in _TORCH_SERVED:
+        deadline = time.monotonic() + limit
+        pause = BUSY_PAUSE
+        while True:
+            try:
+                self._open(token, torch_ok, deadline)
+                return
+            except _Busy as busy:
+                if time.monotonic() + pause >= deadline:
+                    hint = f" ({TORCH_OK_HINT})" if busy.at_hello and token is not None else ""
+                    raise RendezvousConnectionError(
+                        f"TCPStore {self.where}: {busy} on every try for {limit:.1f}s: the "
+                        f"store is busy, or cannot prove the job token{hint}"
+                    ) from None
+                time.sleep(pause)
+                pause = min(2 * pause, BUSY_PAUSE_MAX)
+
+    def _open(self, token: bytes | None, torch_ok: bool, deadline: float) -> None:
+        """Connect and prove the token; ``_Busy`` when the server closed the connection
+        during the handshake (the client is then closed)."""
+        self._closed, self._dead = False, None
+        self._rbuf.clear()
+        self._connect(max(deadline - time.monotonic(), 0.001))
+        accepts_torch = token is None or torch_ok
+        if self.where in _TORCH_SERVED and accepts_torch:
             return
         try:
             self._authenticate(token)
-        except RendezvousStoreGoneError:
-            if self._closed:  # refused by our server (see _authenticate): not torch's
+        except _Busy as busy:
+            if not (busy.at_hello and accepts_torch):
                 raise
             # torch's server closes a connection that asks: connect again, without asking.
             _TORCH_SERVED.add(self.where)
@@ -124,9 +174,9 @@ class TCPStoreClient:
                     "records still ignore what they write)",
                     self.where,
                 )
-            self._dead = None
+            self._closed, self._dead = False, None
             self._rbuf.clear()
-            self._connect(limit)
+            self._connect(max(deadline - time.monotonic(), 0.001))
 
     def _connect(self, limit: float) -> None:
         handshake_deadline = time.monotonic() + limit
@@ -147,6 +197,9 @@ class TCPStoreClient:
                 answer = self._roundtrip(
                     wire.handshake(nonce), lambda _: self._u32(handshake_deadline)
                 )
+        except RendezvousStoreGoneError:  # it accepted, then closed: alive, and busy
+            self.close()
+            raise _Busy("closed the connection at the handshake") from None
         except BaseException:  # a failed handshake, or Ctrl-C during it: no socket left
             self.close()
             raise
@@ -157,33 +210,48 @@ class TCPStoreClient:
             )
 
     def _authenticate(self, token: bytes | None) -> None:
-        """The token handshake (``wire``); a torch server's closing the connection is
-        ``RendezvousStoreGoneError`` with the client still open."""
-        with self._lock:
-            challenge = self._roundtrip(wire.request(Query.AUTH_HELLO), self._blob)
-        if not challenge:
-            if token is not None:  # its host has no token: its records will be ignored
-                log.warning(
-                    "the store at %s takes no job token, but this node has one: give the "
-                    "agent hosting it the same token",
-                    self.where,
-                )
-            return  # our server, taking no token: a job without one
-        if token is None:
-            self.close()
-            raise RendezvousAuthError(
-                f"the store at {self.where} requires the job's token; give it with {TOKEN_HINT}"
-            )
-        proof = wire.request(Query.AUTH_PROOF, wire.blob(wire.auth_proof(token, challenge)))
+        """The token handshake (``wire``): the server proves the token first, then we
+        do. ``_Busy`` when the server closed the connection instead."""
+        ours = secrets.token_bytes(wire.AUTH_CHALLENGE_LEN) if token is not None else b""
+
+        def challenge_and_proof(deadline: float) -> tuple[bytes, bytes]:
+            return self._blob(deadline, wire.MAX_AUTH_LEN), self._blob(deadline, wire.MAX_AUTH_LEN)
+
         try:
             with self._lock:
-                self._roundtrip(proof, self._u8)
+                theirs, proof = self._roundtrip(
+                    wire.request(Query.AUTH_HELLO, wire.blob(ours)), challenge_and_proof
+                )
         except RendezvousStoreGoneError:
             self.close()
+            raise _Busy("closed the connection when asked for the token handshake", True) from None
+        if token is None:
+            if theirs:
+                self.close()
+                raise RendezvousAuthError(
+                    f"the store at {self.where} requires the job's token; give it with {TOKEN_HINT}"
+                )
+            return  # our server, taking no token: a job without one
+        if not theirs or not hmac.compare_digest(
+            proof, wire.auth_proof(token, wire.SERVER, ours, theirs)
+        ):
+            self.close()
+            what = "takes no job token" if not theirs else "holds another token than this node"
             raise RendezvousAuthError(
-                f"the store at {self.where} refused this node's token: it is not the job's "
-                f"(give the job's token with {TOKEN_HINT})"
-            ) from None
+                f"the store at {self.where} {what}: this node's token is not the job's, or "
+                "the store is not this job's (an agent given no or another token, or "
+                f"something else listening there); give every agent the job's token ({TOKEN_HINT})"
+            )
+        reply = wire.request(
+            Query.AUTH_PROOF, wire.blob(wire.auth_proof(token, wire.CLIENT, ours, theirs))
+        )
+        try:
+            with self._lock:
+                self._roundtrip(reply, self._u8)
+        except RendezvousStoreGoneError:
+            # It proved the same token, so it was not refused: dropped for room (busy).
+            self.close()
+            raise _Busy("closed the connection during the token handshake") from None
 
     # --- the Store API -------------------------------------------------------------------
 
@@ -440,8 +508,12 @@ class TCPStoreClient:
     def _i64(self, deadline: float) -> int:
         return int(wire.I64.unpack(self._read(8, deadline))[0])
 
-    def _blob(self, deadline: float) -> bytes:
+    def _blob(self, deadline: float, limit: int | None = None) -> bytes:
         (n,) = wire.U64.unpack(self._read(8, deadline))
+        if limit is not None and n > limit:  # a peer that is not a store of ours
+            raise RendezvousConnectionError(
+                f"TCPStore {self.where}: an answer of {n} bytes where at most {limit} fit"
+            )
         return self._read(int(n), deadline)
 
 

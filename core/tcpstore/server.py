@@ -16,19 +16,19 @@ before the handshake), one answer at ``MAX_REPLY_LEN``, the connections at
 with work under way (a request partly received, answers not taken) must make progress
 within ``REQUEST_WAIT`` (one idle between requests, or parked in a WAIT, is never cut);
 ``EMFILE`` pauses accepting for ``ACCEPT_BACKOFF``.
-With a ``token``, a connection must prove it (``wire.auth_proof`` over a random challenge
-of this connection) before any request but the protocol's own VALIDATE and PING; any
-other request first, or a wrong proof, drops it: a client without the token reads and
-writes nothing. The store itself is not capped, as torch's is not.
+With a ``token``, a connection must prove it (a challenge-response each way, ``wire``)
+before any request but the protocol's own VALIDATE and PING, within a small budget of
+requests, bytes and seconds and a connection cap of its own (``admission``); any other
+request first, or a wrong proof, drops it: a client without the token reads and writes
+nothing, and strangers flooding the port do not slow the members. The store itself is
+not capped, as torch's is not.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import hmac
 import logging
-import secrets
 import selectors
 import socket
 import threading
@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
-from elastic.core.tcpstore import limits, wire
+from elastic.core.tcpstore import admission, limits, wire
 from elastic.core.tcpstore.store import Drop as _Drop
 from elastic.core.tcpstore.store import Limit as _Limit
 from elastic.core.tcpstore.store import ServedStore
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 # so a client flooding requests delays the others by that much work (~ms), not more.
 _RECV_SIZE = 64 * 1024
 _OUT_HIGH_WATER = 4 * 1024 * 1024
-_INTRUDERS_NAMED = 100  # client hosts warned about by name, at most
 
 R = TypeVar("R")
 
@@ -66,6 +65,7 @@ class _Conn:
         "events",
         "deadline",
         "authenticated",
+        "guest",
         "challenge",
     )
 
@@ -84,13 +84,18 @@ class _Conn:
         self.paused = False
         self.events = selectors.EVENT_READ  # as registered with the selector
         self.authenticated = authenticated  # proved the token (or the server takes none)
-        self.challenge = b""  # sent in answer to AUTH_HELLO
+        self.guest = False  # served without the token, away from the members' keys
+        # (the client's, ours) once AUTH_HELLO was answered (``admission``).
+        self.challenge: tuple[bytes, bytes] | None = None
 
 
 class TCPStoreServer:
     """Serve a TCPStore on ``host:port`` (``port=0``: any free port, see ``.port``), or on
     ``sock``, an already bound socket this server then owns (listening only on the
     address it was bound to). ``host=""`` listens on every interface, as torch does.
+
+    ``members_only``: with a token, the key prefix that only connections that proved it
+    may touch, while torch's clients are served elsewhere (``admission``).
 
     It serves until ``close()``: unlike torch's, dropping the last reference does not
     stop it (its thread holds one)."""
@@ -103,6 +108,7 @@ class TCPStoreServer:
         sock: socket.socket | None = None,
         data: Mapping[bytes, bytes] | None = None,
         token: bytes | None = None,
+        members_only: bytes | None = None,
     ):
         if sock is None:
             if host == "" and socket.has_dualstack_ipv6():
@@ -115,7 +121,6 @@ class TCPStoreServer:
         else:
             sock.listen(4096)  # also fine when it already listens: updates the backlog
         self._token = token  # a connection must prove it first (see the module)
-        self._intruders: set[str] = set()  # client hosts that failed to, warned once each
         self.port: int = sock.getsockname()[1]
         # ``data``: served from the start
         self._store: ServedStore[_Conn] = ServedStore(dict(data or {}), self._update_events)
@@ -125,6 +130,7 @@ class TCPStoreServer:
         self._timed: set[_Conn] = set()
         self._sel = selectors.DefaultSelector()
         self._limits = limits.LimitLog(f"TCPStore server on port {self.port}")
+        self._admission = admission.Admission[_Conn](token, self._limits, members_only)
         self._listener = limits.Listener(
             sock, self._sel, "accept", limits.MAX_CONNECTIONS, self._limits
         )
@@ -245,7 +251,7 @@ class TCPStoreServer:
     def _accept(self) -> None:
         # Level-triggered: whatever is left in the backlog is accepted next round.
         for _ in range(64):
-            sock = self._listener.accept(len(self._conns))
+            sock = self._listener.accept(self._admission.cap_count(len(self._conns)))
             if sock is None:
                 return
             try:
@@ -259,6 +265,9 @@ class TCPStoreServer:
             self._conns[sock] = conn
             self._timed.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            evicted = self._admission.arrived(conn)
+            if evicted is not None:
+                self._drop(evicted)
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._timed if c.deadline is not None and c.deadline <= now]:
@@ -298,6 +307,12 @@ class TCPStoreServer:
         except _Limit as why:
             self._limits.hit(why.limit, f"{why} from {conn.peer}; dropped")
             self._drop(conn)
+        except admission.Refused as why:
+            if why.limit is not None:
+                self._limits.hit(why.limit, f"{why} from {conn.peer}; dropped")
+            else:
+                log.debug("TCPStore server: dropping %s: %s", conn.peer, why)
+            self._drop(conn)
         except _Drop as why:
             log.debug("TCPStore server: dropping %s: %s", conn.peer, why)
             self._drop(conn)
@@ -308,13 +323,14 @@ class TCPStoreServer:
 
     def _recv(self, conn: _Conn) -> None:
         try:
-            chunk = conn.sock.recv(_RECV_SIZE)
+            chunk = conn.sock.recv(self._admission.recv_size(conn, _RECV_SIZE))
         except BlockingIOError:
             return
         except OSError as exc:
             raise _Drop(str(exc)) from None
         if not chunk:
             raise _Drop("closed by the client")
+        self._admission.charge(conn, received=len(chunk))
         conn.parser.feed(chunk)
 
     def _process(self, conn: _Conn) -> int:
@@ -365,6 +381,7 @@ class TCPStoreServer:
 
     def _drop(self, conn: _Conn) -> None:
         self._store.unpark(conn)
+        self._admission.left(conn)
         self._timed.discard(conn)
         del self._conns[conn.sock]
         self._sel.unregister(conn.sock)
@@ -375,53 +392,18 @@ class TCPStoreServer:
     def _handle(self, conn: _Conn, req: wire.Request) -> None:
         """The handshake's requests here; every other one is the store's (``store``)."""
         query = req.query
+        self._admission.charge(conn, requests=1)
         if not conn.validated:
             if query is not Query.VALIDATE or req.number != wire.VALIDATION_MAGIC:
                 raise _Drop("the first request is not a valid VALIDATE")
             conn.validated = True
             if conn.authenticated:
-                self._admit(conn)
+                admission.admit(conn)
             else:  # the handshake deadline stands until the token is proved
-                conn.parser.max_len = wire.AUTH_REQUEST_LEN
+                conn.parser.max_len = self._admission.request_limit()
         elif query is Query.PING:
             conn.outbuf += wire.U32.pack(req.number)
-        elif not conn.authenticated or query in (Query.AUTH_HELLO, Query.AUTH_PROOF):
-            self._authenticate(conn, req)
+        elif query in (Query.AUTH_HELLO, Query.AUTH_PROOF) or not self._admission.admits(conn, req):
+            conn.outbuf += self._admission.handshake(conn, req)
         else:
             self._store.answer(conn, req)
-
-    @staticmethod
-    def _admit(conn: _Conn) -> None:
-        """The handshake is done: full-size requests, and no deadline until one begins."""
-        conn.parser.max_len = wire.MAX_REQUEST_LEN
-        conn.deadline = None  # the next request's own starts with its first byte
-
-    def _authenticate(self, conn: _Conn, req: wire.Request) -> None:
-        """The token handshake (``wire``): a challenge, then its proof; anything else
-        before the proof drops the connection."""
-        if req.query is Query.AUTH_HELLO and not conn.challenge:
-            if self._token is not None:
-                conn.challenge = secrets.token_bytes(wire.AUTH_CHALLENGE_LEN)
-            conn.outbuf += wire.blob(conn.challenge)  # empty: this server takes no token
-        elif req.query is Query.AUTH_PROOF and self._token is not None and conn.challenge:
-            if not hmac.compare_digest(req.value, wire.auth_proof(self._token, conn.challenge)):
-                self._warn_intruder(conn.peer)
-                raise _Drop("a wrong token")
-            conn.authenticated = True
-            self._admit(conn)
-            conn.outbuf += wire.U8.pack(wire.AUTHENTICATED)
-        else:
-            raise _Drop(f"{req.query.name} before proving the token")
-
-    def _warn_intruder(self, peer: str) -> None:
-        """One line per client host (bounded), so a client retrying cannot flood the log."""
-        host = peer.rpartition(":")[0]
-        if host in self._intruders or len(self._intruders) >= _INTRUDERS_NAMED:
-            return
-        self._intruders.add(host)
-        log.warning(
-            "TCPStore server on port %d: a client at %s does not hold the job token; "
-            "refused (said once per host)",
-            self.port,
-            host,
-        )

@@ -10,7 +10,11 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.core.interfaces.coordination import Tick
-from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
+from elastic.core.interfaces.rendezvous import (
+    RendezvousAuthError,
+    RendezvousConnectionError,
+    RendezvousStoreGoneError,
+)
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
 
@@ -31,10 +35,11 @@ def standby_mark(
     host: str, port: int, timeout: float, token: bytes | None = None
 ) -> tuple[bytes, TCPStoreClient] | None:
     """(its ``STANDBY_KEY`` value, a client connected to it) for the store at host:port;
-    ``b""``: a job's live store. None when nothing answers there."""
+    ``b""``: a job's live store. None when nothing answers there, or what answers cannot
+    prove the job's token (never torch's server: a store moves only to one of ours)."""
     try:
         client = TCPStoreClient(host, port, timeout, token=token)
-    except RendezvousConnectionError:
+    except (RendezvousConnectionError, RendezvousAuthError):
         return None
     try:
         (mark,) = client.multi_get([STANDBY_KEY], False)
@@ -62,9 +67,11 @@ class Connection:
         timeout: float,
         gone_hint: str = "",
         token: bytes | None = None,
+        torch_ok: bool = False,
     ) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self.token = token  # proved to the server on every connection (client.py)
+        self.torch_ok = torch_ok  # with a token: torch's server is accepted (client.py)
         # Where the store may have moved to (c10d's handover), tried in order when this
         # one stops answering; empty: the store cannot move. Read only then, so it may be
         # a sequence that works its entries out on first use (c10d: the round's standbys).
@@ -94,7 +101,9 @@ class Connection:
                 self._client.close()
                 self._client = None
             if self._client is None:
-                self._client = TCPStoreClient(self.host, self.port, self.timeout, token=self.token)
+                self._client = TCPStoreClient(
+                    self.host, self.port, self.timeout, token=self.token, torch_ok=self.torch_ok
+                )
             return self._client
 
     def call(self, op: str, *args: Any) -> Any:
@@ -137,6 +146,7 @@ class Connection:
         with self._lock:
             old, self._client = self._client, client
             self.host, self.port, self.where = host, port, f"{host}:{port}"
+            self.torch_ok = False  # a store moves only to one of ours, which proves it
             self._present = set()
             idle, self._idle_waiters = self._idle_waiters, []
         for stale in [old, *idle]:
@@ -179,7 +189,9 @@ class Connection:
             self._raise_if_closed()
             client = self._idle_waiters.pop() if self._idle_waiters else None
         if client is None:
-            client = TCPStoreClient(self.host, self.port, self.timeout, token=self.token)
+            client = TCPStoreClient(
+                self.host, self.port, self.timeout, token=self.token, torch_ok=self.torch_ok
+            )
         with self._lock:
             if self._closed:  # closed while this one connected
                 client.close()

@@ -9,11 +9,13 @@ must be ``VALIDATE`` with the magic number; torch's client then sends ``PING`` w
 nonce the server echoes, to know the peer really is a store.
 
 Ours alone: two queries torch's enum does not have (``AUTH_HELLO``, ``AUTH_PROOF``), by
-which a client proves it holds the job token before any other request, without sending
-it: the server answers ``AUTH_HELLO`` with a fresh random challenge (empty when it takes
-no token) and ``AUTH_PROOF`` must carry ``auth_proof(token, challenge)``. torch's servers
-close a connection that sends one (an unknown query), which is how a client tells a
-torch-served store from ours.
+which each side proves to the other that it holds the job token, without sending it.
+``AUTH_HELLO`` carries the client's fresh random challenge; the server answers with its
+own and its proof over both (``auth_proof(token, SERVER, ...)``; two empty fields when it
+takes no token). Only once that proof checks out does the client send ``AUTH_PROOF``,
+its own proof over both challenges, answered with ``AUTHENTICATED``: a listener without
+the token learns nothing it could use elsewhere, and cannot pass for the job's store.
+torch's servers close a connection that sends ``AUTH_HELLO`` (an unknown query).
 
 Keys on the wire are whatever the client sends: torch's client prefixes every key with
 ``/`` (``TCPStore::keyPrefix_``), so a client meant to share keys with torch's must too.
@@ -84,8 +86,8 @@ READY, NOT_READY = 0, 1
 AUTHENTICATED = 0
 AUTH_CHALLENGE_LEN = 32
 MAX_AUTH_LEN = 64  # an AUTH_PROOF's field: a SHA-256 HMAC is 32 bytes
-# The largest request before the token is proved (AUTH_PROOF: query, length, field), so a
-# stranger past VALIDATE still cannot make the server buffer more than this.
+# The largest request before the token is proved (AUTH_HELLO or AUTH_PROOF: query,
+# length, field), so a stranger past VALIDATE cannot make the server buffer more.
 AUTH_REQUEST_LEN = 1 + 8 + MAX_AUTH_LEN
 STOP_WAITING, WAIT_CANCELED = 0, 1
 
@@ -122,9 +124,15 @@ def handshake(nonce: int) -> bytes:
     )
 
 
-def auth_proof(token: bytes, challenge: bytes) -> bytes:
-    """What proves the token for a server's challenge; the token never crosses the wire."""
-    return hmac.new(token, b"elastic-tcpstore-auth/1\n" + challenge, hashlib.sha256).digest()
+SERVER, CLIENT = b"server", b"client"  # whose proof: one side's is never the other's
+
+
+def auth_proof(
+    token: bytes, side: bytes, client_challenge: bytes, server_challenge: bytes
+) -> bytes:
+    """What proves the token for this pair of challenges; the token never crosses the wire."""
+    message = b"elastic-tcpstore-auth/2\n" + side + b"\n" + client_challenge + server_challenge
+    return hmac.new(token, message, hashlib.sha256).digest()
 
 
 def multi_set(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -238,7 +246,7 @@ class RequestParser:
             raise ProtocolError(f"unknown or unsupported query type {code}") from None
         if query in (Query.VALIDATE, Query.PING):
             return Request(query, number=(yield from self._int(U32)))
-        if query is Query.AUTH_PROOF:
+        if query in (Query.AUTH_HELLO, Query.AUTH_PROOF):
             return Request(query, value=(yield from self._blob(MAX_AUTH_LEN)))
         if query in (Query.GET, Query.DELETE_KEY, Query.QUEUE_POP, Query.QUEUE_LEN):
             return Request(query, key=(yield from self._blob(MAX_KEY_LEN)))
@@ -264,4 +272,4 @@ class RequestParser:
                 key = yield from self._blob(MAX_KEY_LEN)
                 pairs.append((key, (yield from self._blob(MAX_VALUE_LEN))))
             return Request(query, pairs=tuple(pairs))
-        return Request(query)  # GETNUMKEYS, CANCEL_WAIT, LIST_KEYS, AUTH_HELLO: no fields
+        return Request(query)  # GETNUMKEYS, CANCEL_WAIT, LIST_KEYS: no fields

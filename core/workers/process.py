@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
 from elastic.core.workers import numa
 from elastic.core.workers.loop_clock import LoopClock
 
@@ -225,6 +226,8 @@ def _callable_bootstrap(
     if parent_pid is None:
         _release_forkserver()
     start_child(parent_pid, cpus)
+    for name in AGENT_ONLY_ENV:  # the job's secrets are the agent's, never a worker's
+        os.environ.pop(name, None)
     os.environ.update(env)
     if "ELASTIC_STACK_FILE" in env:  # a command worker gets this from sitecustomize
         from elastic.core.workers.boot.sitecustomize import install
@@ -346,7 +349,8 @@ def start_worker(
             logs.stderr,
             cpus,
         )
-    env = {**os.environ, **extra_env, **worker_env}
+    inherited = {k: v for k, v in os.environ.items() if k not in AGENT_ONLY_ENV}
+    env = {**inherited, **extra_env, **worker_env}
     return CommandWorker(local_rank, [spec.entrypoint, *args], env, logs.stdout, logs.stderr, cpus)
 
 

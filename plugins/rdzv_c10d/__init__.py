@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 
 C10D_KEYS = (
-    "is_host",  # true: host the store here (fail if we cannot); false: external store
+    # true: host the store here (fail if we cannot); false: an external store, which with
+    # a job token may be torch's own server (it cannot prove the token)
+    "is_host",
     "store_type",  # only "tcp" (accepted for torchrun command lines)
 )
 

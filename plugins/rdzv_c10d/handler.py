@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from elastic.core.interfaces.rendezvous import (
+    RendezvousAuthError,
     RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousParameters,
@@ -114,6 +115,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._conns: list[Connection] = []
         self._may_host = not params.read_only and is_host is not False
         self._token = settings.token  # every store we host or reach asks for it
+        # ``is_host=false``: the user runs the store, maybe torch's, which cannot prove the
+        # token; accepted at the endpoint (never at a candidate the store moves to).
+        self._torch_ok = is_host is False
         if not self._try_hosting():
             if is_host and not params.read_only:
                 raise RendezvousConnectionError(
@@ -135,7 +139,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
         prefix = job_prefix(params.run_id)
         agent_conn = Connection(
-            self.host, self.port, settings.read_timeout, GONE_HINT, settings.token
+            self.host, self.port, settings.read_timeout, GONE_HINT, settings.token, self._torch_ok
         )
         agent_conn.successors = self._candidates[1:]  # where a moved store may be already
         self._conns = [agent_conn]  # closed by __init__ if anything below fails
@@ -153,7 +157,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 """Another connection to the same store, opened now so no connection
                 cost lands inside a round."""
                 host, port = agent_conn.host, agent_conn.port
-                conn = Connection(host, port, settings.read_timeout, GONE_HINT, settings.token)
+                conn = Connection(
+                    host, port, settings.read_timeout, GONE_HINT, settings.token, self._torch_ok
+                )
                 conn.successors = self._candidates[1:]
                 self._conns.append(conn)
                 conn.call("check", [prefix])
@@ -262,8 +268,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             host, port = parse_endpoint(standby)
             try:
                 client = TCPStoreClient(host, port, self.settings.read_timeout, token=self._token)
-            except RendezvousConnectionError:
-                continue
+            except (RendezvousConnectionError, RendezvousAuthError):
+                continue  # nothing there, or nothing that proves the token: not ours
             try:
                 client.set(STANDBY_KEY, RECEIVING)
                 if data is None:

@@ -8,7 +8,8 @@ departures, liveness and fencing within ``heartbeat_timeout``). torch's keys kee
 ``/elastic/etcd``: the job lives in ``<etcd_prefix>/<run_id>/``); ``timeout`` (torch's
 name for ``join_timeout``); ``last_call_timeout``. Besides them: the round's keys
 (``elastic.core.rendezvous.round.settings``) and the connection's (``username``,
-``password``, ``read_timeout``, ``retry_timeout``). ``keep_alive_ttl``, the old
+``password`` or ``password_file``, ``read_timeout``, ``retry_timeout``; the password may
+also come from the environment, ``elastic.core.rendezvous.secrets``). ``keep_alive_ttl``, the old
 protocol's liveness, is refused with a line pointing to ``heartbeat_timeout``.
 """
 

@@ -23,6 +23,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousParameters,
 )
 from elastic.core.plugin.extras import needs_extra
+from elastic.core.rendezvous.secrets import read_password
 
 with needs_extra("the etcd and etcd-v2 rendezvous backends"):
     import etcd
@@ -269,7 +270,7 @@ def client_from_params(
         cert=params.get(cert_key),
         key=params.get(key_key),
         username=params.get("username"),
-        password=params.get("password"),
+        password=read_password(params),  # or password_file, or the environment
         read_timeout=params.get_as_float("read_timeout", 10.0) or 10.0,
         retry_timeout=params.get_as_float("retry_timeout", 30.0) or 30.0,
     )
@@ -277,4 +278,11 @@ def client_from_params(
 
 
 # --rdzv-conf keys both backends accept for the connection itself.
-CONNECTION_KEYS = ("protocol", "username", "password", "read_timeout", "retry_timeout")
+CONNECTION_KEYS = (
+    "protocol",
+    "username",
+    "password",
+    "password_file",
+    "read_timeout",
+    "retry_timeout",
+)

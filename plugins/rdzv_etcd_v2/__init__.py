@@ -3,8 +3,9 @@
 The adapter is the one the ``etcd`` backend runs on (``elastic.plugins.rdzv_etcd.backend``);
 this backend differs only in its name, its default key prefix (``/elastic/rdzv``) and its
 ``--rdzv-conf`` spellings: the round's (``elastic.core.rendezvous.round.settings``), the
-connection's (``protocol``, ``username``, ``password``, ``read_timeout``,
-``retry_timeout``), ``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` and ``key_prefix``.
+connection's (``protocol``, ``username``, ``password`` or ``password_file`` or the
+environment (``elastic.core.rendezvous.secrets``), ``read_timeout``, ``retry_timeout``),
+``ca_cert``, ``ssl_cert``, ``ssl_cert_key`` and ``key_prefix``.
 State is JSON; nothing read from etcd is ever unpickled.
 
 etcd 3.4/3.5 serve the v2 API only with ``--enable-v2``, and etcd 3.6 removed it: prefer

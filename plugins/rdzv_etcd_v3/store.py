@@ -37,6 +37,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStateError,
 )
 from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.rendezvous.secrets import read_password
 from elastic.plugins.rdzv_etcd_v3.client import (
     DEFAULT_PORT,
     EtcdV3Client,
@@ -63,6 +64,7 @@ CONNECTION_KEYS = (
     "key",
     "username",
     "password",
+    "password_file",
     "read_timeout",
     "retry_timeout",
 )
@@ -433,7 +435,7 @@ def store_from_params(
         cert=params.get("ssl_cert") or params.get("cert"),
         key=params.get("ssl_cert_key") or params.get("key"),
         username=params.get("username"),
-        password=params.get("password"),
+        password=read_password(params),  # or password_file, or the environment
         read_timeout=min(_seconds(params, "read_timeout", 10.0), max_attempt or math.inf),
         retry_timeout=_seconds(params, "retry_timeout", 30.0),
     )

@@ -11,6 +11,9 @@ which the workers use too, as under torchrun (``handler.py`` says how attempts s
   default 600, as torchrun's static backend.
 * ``shutdown_timeout`` -- seconds node 0 keeps its store up at exit for the other nodes
   to finish; default 30.
+* ``token_file`` -- the job token (also ``ELASTIC_RDZV_TOKEN_FILE`` or ``ELASTIC_RDZV_TOKEN``
+  in the environment): the agents prove it to node 0's store, whose rendezvous keys then
+  only they may touch (the workers' keys cannot be guarded: see ``handler.py``).
 
 Importing this module must not import torch: it is imported when the backend is
 chosen, and torch is only needed once a rendezvous actually runs.
@@ -24,12 +27,13 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousParameters,
 )
 from elastic.core.rendezvous import net
+from elastic.core.rendezvous.secrets import read_token
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-ACCEPTED_KEYS = ("rank", "node_rank", "timeout", "shutdown_timeout")
+ACCEPTED_KEYS = ("rank", "node_rank", "timeout", "shutdown_timeout", "token_file")
 
 __all__ = ["create_handler", "parse_endpoint"]
 
@@ -107,6 +111,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT,
             local_addr=params.local_addr,
             read_only=True,
+            token=read_token(params.get("token_file")),
         )
     if params.min_nodes != params.max_nodes:
         raise RendezvousConfigError(
@@ -131,4 +136,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         timeout=timeout,
         shutdown_timeout=shutdown_timeout,
         local_addr=params.local_addr,
+        token=read_token(params.get("token_file")),
     )

@@ -6,7 +6,15 @@ counter (``store.add``), so all nodes agree on it without trusting local state, 
 round completes when every node has registered. Node 0 then publishes the assignment as
 JSON; the others wait for it.
 
-The workers use this store too, as under torchrun: ``MASTER_ADDR:MASTER_PORT`` is
+With a job token (``--rdzv-conf token_file``, or the environment; see
+``core/rendezvous/secrets.py``) every agent proves it to node 0's store, and only agents
+may touch the keys under ``<run_id>/``: a stranger can neither read nor change the
+rounds. The workers use the store too, through torch's own client, which cannot prove a
+token: they are served as guests everywhere else (``elastic.core.tcpstore.admission``),
+and so is anyone who reaches the port; node 0 says so in one line when the store is
+reachable beyond loopback.
+
+The workers use this store, as under torchrun: ``MASTER_ADDR:MASTER_PORT`` is
 ``--master-addr:--master-port`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, so every worker
 connects to it as a client (``init_method="tcp://host:--master-port"`` works, as does
 ``env://``). torch 2.13 gives the workers' keys no per-attempt prefix (``/default_pg/...``
@@ -49,6 +57,8 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousTimeoutError,
 )
 from elastic.core.interfaces.store import Store, StoreTimeoutError
+from elastic.core.log import say
+from elastic.core.rendezvous import net
 from elastic.core.tcpstore import wire
 from elastic.plugins.rdzv_static import status
 from elastic.plugins.rdzv_static import store as tcp
@@ -97,6 +107,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         shutdown_timeout: float,
         local_addr: str | None = None,
         read_only: bool = False,
+        token: bytes | None = None,
     ) -> None:
         self.run_id = run_id
         self.rank = rank
@@ -108,6 +119,10 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.host = local_addr or socket.gethostname()
         self.node_id = f"{self.host}:{os.getpid()}:{next(_local_ids)}"
         self.prefix = f"{run_id}/"
+        self.token = token
+        # The agents' keys on the wire: only agents that proved the token touch them, and
+        # a round clears every other key (the workers').
+        self._agents_keys = (wire.KEY_PREFIX + self.prefix).encode()
         self._server: tcp.TCPStoreServer | None = None  # node 0 hosts the store
         self._store: tcp.PrefixStore | None = None
         self._round: int | None = None
@@ -119,13 +134,25 @@ class StaticRendezvousHandler(RendezvousHandler):
     def _connect(self) -> tcp.PrefixStore:
         if self._store is None:
             if self.rank == 0:
-                self._server = tcp.host_store(self.master_port)
+                self._server = tcp.host_store(self.master_port, self.token, self._agents_keys)
+                self._say_workers_store_is_open()
             self._store = tcp.connect_store(
-                self.master_addr, self.master_port, self.timeout, self.prefix
+                self.master_addr, self.master_port, self.timeout, self.prefix, self.token
             )
             if self.rank == 0:  # lets `elastic status` show the size before a round forms
                 self._store.set(JOB, json.dumps({"world_size": self.world_size}))
         return self._store
+
+    def _say_workers_store_is_open(self) -> None:
+        """One line, with a token, when the store is reachable beyond loopback."""
+        if self.token is None or net.is_loopback(net.route_address("192.0.2.1", 9)):
+            return  # TEST-NET-1: no packet is sent, only a route looked up
+        say(
+            f"elastic: static: the job token guards the agents' keys on the store at port "
+            f"{self.master_port}, not the workers' own: torch's TCPStore protocol cannot "
+            "check a token, so anyone who reaches that port can read, write and slow the "
+            "workers' keys (use --rdzv-backend=c10d for a store closed to strangers)"
+        )
 
     def _wait(self, store: Store, key: str, round_: int, what: str) -> None:
         """Wait for one key (set_closed fills it with a marker, so closing wakes us too)."""
@@ -244,7 +271,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         """
         assert self._server is not None  # node 0 publishes, and node 0 hosts
         try:
-            gone = self._server.clear(keep_prefix=(wire.KEY_PREFIX + self.prefix).encode())
+            gone = self._server.clear(keep_prefix=self._agents_keys)
         except RuntimeError as exc:  # the server's loop ended: the store is gone
             raise RendezvousConnectionError(f"static rendezvous store: {exc}") from None
         log.debug("static rendezvous round %d: cleared %d worker keys", round_, gone)
@@ -337,6 +364,7 @@ class StaticRendezvousHandler(RendezvousHandler):
             master_port=self.master_port,
             prefix=self.prefix,
             timeout=self.timeout.total_seconds(),
+            token=self.token,
         )
 
     def shutdown(self) -> bool:

@@ -32,10 +32,16 @@ def _read(store: Store, key: str) -> Any:
 
 
 def describe(
-    *, run_id: str, master_addr: str, master_port: int, prefix: str, timeout: float
+    *,
+    run_id: str,
+    master_addr: str,
+    master_port: int,
+    prefix: str,
+    timeout: float,
+    token: bytes | None = None,
 ) -> JobStatus:
     limit = timedelta(seconds=min(timeout, DESCRIBE_TIMEOUT))
-    store = tcp.connect_store(master_addr, master_port, limit, prefix)
+    store = tcp.connect_store(master_addr, master_port, limit, prefix, token)
     try:  # one connection per call: `elastic status --watch` makes one per redraw
         return _describe(store, run_id)
     finally:

@@ -47,11 +47,15 @@ def poll_for(store: Any, key: str, timeout: timedelta) -> None:
         delay = min(delay * 1.5, 0.1)
 
 
-def host_store(port: int) -> TCPStoreServer:
+def host_store(
+    port: int, token: bytes | None = None, agents_keys: bytes | None = None
+) -> TCPStoreServer:
     """Start the store server (node rank 0) on ``port`` on every interface, as torchrun's
-    static backend does; one clear line when it cannot."""
+    static backend does; one clear line when it cannot. With a ``token``, only agents
+    that prove it may touch ``agents_keys`` (a key prefix); the workers, torch's clients,
+    which cannot, are served everywhere else (``elastic.core.tcpstore.admission``)."""
     try:
-        return TCPStoreServer("", port)
+        return TCPStoreServer("", port, token=token, members_only=agents_keys if token else None)
     except OSError as exc:
         raise RendezvousConnectionError(
             f"node rank 0 cannot host the static rendezvous store on port {port} "
@@ -91,10 +95,12 @@ def _wait_reachable(addr: str, port: int, limit: float) -> None:
     )
 
 
-def connect_store(addr: str, port: int, timeout: timedelta, prefix: str) -> PrefixStore:
+def connect_store(
+    addr: str, port: int, timeout: timedelta, prefix: str, token: bytes | None = None
+) -> PrefixStore:
     """Connect to node 0's store, waiting for it to come up for at most ``timeout``."""
     _wait_reachable(addr, port, timeout.total_seconds())
-    conn = Connection(addr, port, timeout.total_seconds(), GONE_HINT)
+    conn = Connection(addr, port, timeout.total_seconds(), GONE_HINT, token)
     store = PrefixStore(conn, prefix)
     try:
         store.check([JOB])  # connect now, inside the reachability bound

@@ -10,6 +10,7 @@ job token, liveness, departure, fencing and ``describe``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -111,7 +112,7 @@ class RoundRendezvousHandler(RendezvousHandler):
                 settings.heartbeat_interval,
                 settings.heartbeat_timeout,
                 self._presence,
-                hello_line(settings.token, params.run_id, self.node_id),
+                functools.partial(hello_line, settings.token, params.run_id, self.node_id),
                 None
                 if lease_store is None
                 else SignedStore(lease_store, settings.token, params.run_id, memory=memory),

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from elastic.core.interfaces.coordination import CoordinationStore
@@ -149,8 +149,8 @@ class Monitor:
     """``store``: the job's view (the round's keys are under ``rdzv/``), on a connection
     of this thread's own; ``lease_store``: another of the same view for the keep-alives
     (None: ``store``, for tests); ``presence``: this agent's presence port
-    (``presence.py``), served when it is rank 0; ``hello``: what this node says when it
-    connects to rank 0's."""
+    (``presence.py``), served when it is rank 0; ``hello``: what this node answers rank
+    0's challenge with, given the round and the challenge (``presence.hello_line``)."""
 
     def __init__(
         self,
@@ -159,7 +159,7 @@ class Monitor:
         interval: float,
         timeout: float,
         presence: PresenceServer | None = None,
-        hello: bytes = b"",
+        hello: Callable[[int, str], bytes] | None = None,
         lease_store: CoordinationStore | None = None,
     ) -> None:
         self.job_store = store
@@ -275,16 +275,19 @@ class Monitor:
             old.stop()
         self.lease.arm(asg is not None, outcome_sent)
         if rank == 0 and asg is not None and self._presence is not None:
-            self._presence.watch(others)
+            self._presence.watch(others, asg.round)
 
     def _connect_presence(self) -> None:
         with self._lock:
             asg, self._connect_in = self._connect_in, None
-        if asg is None:
+        if asg is None or self._hello is None:
             return
-        rank0 = asg.first
+        rank0, hello, rnd = asg.first, self._hello, asg.round
         client = PresenceClient(
-            asg.master_addr, asg.presence_port, self._hello, lambda: self._died(asg, rank0)
+            asg.master_addr,
+            asg.presence_port,
+            lambda nonce: hello(rnd, nonce),
+            lambda: self._died(asg, rank0),
         )
         with self._lock:
             if asg is self._round and self._client is None:

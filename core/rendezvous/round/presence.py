@@ -15,48 +15,104 @@ when it leaves a round on purpose (a new round, a finished job, a departure it h
 already published), is never a death. A machine that vanishes or a partition sends
 nothing: those stay with the heartbeats (``heartbeat_timeout``).
 
-What arrives on the port is untrusted: a hello is one line of at most ``HELLO_MAX``
-bytes, within ``HELLO_WAIT``, naming a member of the round (signed with the job token
-when there is one); anything else is closed. A stranger can at worst make us count a
-node as present a little longer; it cannot close another node's connection. Connections
-are capped (``MAX_CONNECTIONS``, and the descriptor limit) and ``EMFILE`` pauses
-accepting, by the TCPStore server's rules (``elastic.core.tcpstore.limits``); each
-limit is logged once.
+What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
+challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
+of at most ``HELLO_MAX`` bytes, within ``HELLO_WAIT``, naming itself and the round and
+carrying that challenge, signed with the job token when there is one (``hello_line``). A
+hello for another connection, round or node proves nothing, so one recorded on the network
+and replayed is refused: only a connection that proved itself counts, and only its close
+can make a member lost. Anything else (late, too long, not JSON, a signature that is not
+even ASCII) closes that connection alone, with one logged line; the thread never stops for
+a peer. Without a token a hello binds the round and node but anyone may send one: a job
+on a shared network sets a token. Connections are capped (``MAX_CONNECTIONS``, and the
+descriptor limit) and ``EMFILE`` pauses accepting, by the TCPStore server's rules
+(``elastic.core.tcpstore.limits``); each limit is logged once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import hmac
+import json
+import secrets
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.signing import mac
 from elastic.core.tcpstore import limits
-
-log = logging.getLogger(__name__)
 
 BLIP_GRACE = 0.5  # s a closed connection may take to come back before it is a death
 HELLO_MAX = 512  # bytes of a hello line
 HELLO_WAIT = 2.0  # s a new connection has to say who it is
+NONCE_LEN = 32  # hex digits of rank 0's challenge (128 random bits)
 # Open connections at most; more are closed at once. One per member of the round (and a
 # second one for a moment while one reconnects); beyond it, members rely on heartbeats.
 MAX_CONNECTIONS = 4096
 BYE = b"bye\n"
+_HELLO_KEY = "presence/hello"  # what a hello's signature is bound to, besides the job
 
 
-def hello_line(token: bytes | None, run_id: str, node_id: str) -> bytes:
-    return (R.dumps(R.signed(token, run_id, {"id": node_id})) + "\n").encode()
+def _body(node_id: str, rnd: int, nonce: str) -> dict[str, Any]:
+    return {"id": node_id, "nonce": nonce, "round": rnd}
+
+
+def _sig(token: bytes, run_id: str, body: dict[str, Any]) -> str:
+    return mac(token, run_id, _HELLO_KEY, R.dumps(body).encode())
+
+
+def hello_line(token: bytes | None, run_id: str, node_id: str, rnd: int, nonce: str) -> bytes:
+    """What ``node_id``, a member of round ``rnd``, answers rank 0's challenge ``nonce``
+    with: bound to all three, and signed with the job token when there is one."""
+    record = _body(node_id, rnd, nonce)
+    if token is not None:
+        record["sig"] = _sig(token, run_id, record)
+    return (R.dumps(record) + "\n").encode()
+
+
+def read_hello(
+    token: bytes | None, run_id: str, line: bytes, nonce: str, oldest: int
+) -> tuple[str, int] | str:
+    """(the node a hello line proves, its round) when it answers challenge ``nonce`` for
+    round ``oldest`` or a later one (rank 0 may not have taken the round yet when a
+    member connects), signed with ``token`` if there is one; else why not. Total: any
+    bytes give one or the other."""
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "not JSON"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    node, rnd = record.get("id"), record.get("round")
+    if not isinstance(node, str) or not isinstance(rnd, int) or isinstance(rnd, bool):
+        return "no node id or round"
+    if record.get("nonce") != nonce:
+        return "not an answer to this connection's challenge (a replay?)"
+    if rnd < oldest:
+        return f"for round {rnd}, an older one than {oldest}"
+    if token is None:
+        return node, rnd
+    sig = record.get("sig")
+    expected = _sig(token, run_id, _body(node, rnd, nonce)).encode()
+    # Compared as bytes: a str with non-ASCII characters makes compare_digest raise.
+    if not (
+        isinstance(sig, str) and hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), expected)
+    ):
+        return "not signed with the job token"
+    return node, rnd
 
 
 class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = b""
-        self.node: str | None = None
+        self.node: str | None = None  # once its hello proved it
+        self.round = -1  # the round its hello named
+        self.nonce = secrets.token_hex(NONCE_LEN // 2)
         self.opened = time.monotonic()
         self.said_bye = False
 
@@ -74,7 +130,8 @@ class PresenceServer:
         self.port: int = self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._members: set[str] = set()
-        self._open: dict[str, int] = {}  # node -> live connections that said hello
+        self._round = -1  # the round whose members count (``watch``)
+        self._open: dict[str, int] = {}  # node -> live connections that proved it
         self._closed_at: dict[str, float] = {}  # node -> when its last one closed unasked
         self._conns: dict[socket.socket, _Conn] = {}
         # The connections yet to say hello, so the loop never scans every connection for
@@ -93,10 +150,11 @@ class PresenceServer:
         self._thread = threading.Thread(target=self._run, name="rdzv-presence", daemon=True)
         self._thread.start()
 
-    def watch(self, members: Iterable[str]) -> None:
-        """The round whose members count; deaths seen before it are forgotten."""
+    def watch(self, members: Iterable[str], rnd: int) -> None:
+        """Round ``rnd``, whose members count; deaths seen before it are forgotten."""
         with self._lock:
             self._members = set(members)
+            self._round = rnd
             self._closed_at.clear()
 
     def gone(self, grace: float = BLIP_GRACE) -> list[str]:
@@ -148,7 +206,9 @@ class PresenceServer:
                 if key.fileobj is self._sock:
                     self._accept()
                 elif key.fileobj is not self._wake_r:  # the pair only says "stop"
-                    self._read(self._conns[key.fileobj])  # type: ignore[index]
+                    conn = self._conns.get(key.fileobj)  # type: ignore[call-overload]
+                    if conn is not None:
+                        self._serve(conn)
             now = time.monotonic()
             self._listener.resume_if_due(now)
             for conn in list(self._unnamed):
@@ -156,12 +216,25 @@ class PresenceServer:
                     self._limits.hit("HELLO_WAIT", f"no hello within {HELLO_WAIT:g}s; dropped")
                     self._drop(conn)
 
+    def _serve(self, conn: _Conn) -> None:
+        """Read from one connection; whatever goes wrong costs that connection only."""
+        try:
+            self._read(conn)
+        except Exception as exc:  # a bug a peer's bytes found: never the whole port
+            self._limits.hit("PEER_ERROR", f"dropped a connection on {exc!r}")
+            self._drop(conn)
+
     def _accept(self) -> None:
         sock = self._listener.accept(len(self._conns))
         if sock is None:
             return
         sock.setblocking(False)
         conn = _Conn(sock)
+        try:  # a line of 33 bytes into an empty socket buffer: never a partial send
+            sock.send(conn.nonce.encode() + b"\n")
+        except OSError:
+            sock.close()
+            return
         self._conns[sock] = conn
         self._unnamed.add(conn)
         self._sel.register(sock, selectors.EVENT_READ)
@@ -184,12 +257,16 @@ class PresenceServer:
                     self._limits.hit("HELLO_MAX", f"a hello over {HELLO_MAX} bytes; dropped")
                     self._drop(conn)
                 return
-            node = self._node_of(line)
-            if node is None:
-                log.debug("presence port %d: a hello naming no member; dropped", self.port)
+            with self._lock:
+                oldest = self._round
+            proved = read_hello(self._token, self._run_id, line, conn.nonce, oldest)
+            if isinstance(proved, str):
+                # The first refused hello is a warning, later ones are at debug level.
+                self._limits.hit("HELLO", f"a hello that proves nothing ({proved}); dropped")
                 self._drop(conn)
                 return
-            conn.node, conn.buf = node, rest
+            (node, conn.round), conn.buf = proved, rest
+            conn.node = node
             self._unnamed.discard(conn)
             with self._lock:
                 self._open[node] = self._open.get(node, 0) + 1
@@ -197,17 +274,6 @@ class PresenceServer:
         if BYE.strip() in conn.buf:
             conn.said_bye = True
         conn.buf = conn.buf[-8:]  # after the hello only "bye" matters
-
-    def _node_of(self, line: bytes) -> str | None:
-        try:
-            record = R.loads(line, "presence hello")
-        except Exception:
-            return None
-        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-            return None
-        if not R.verify(self._token, self._run_id, record):
-            return None
-        return record["id"]
 
     def _drop(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock, None)
@@ -217,10 +283,15 @@ class PresenceServer:
         conn.sock.close()
         node = conn.node
         if node is None:
-            return
+            return  # it never proved itself: its close says nothing about anyone
         with self._lock:
             self._open[node] = max(0, self._open.get(node, 0) - 1)
-            unasked = not conn.said_bye and not self._open[node] and node in self._members
+            unasked = (
+                not conn.said_bye
+                and not self._open[node]
+                and node in self._members
+                and conn.round == self._round
+            )
             if unasked:
                 self._closed_at[node] = time.monotonic()
         if unasked:
@@ -231,9 +302,11 @@ class PresenceClient:
     """A member's end: one connection to rank 0's agent; ``on_gone()`` once when rank 0's
     process is gone (its connection closed unasked and did not come back)."""
 
-    def __init__(self, addr: str, port: int, hello: bytes, on_gone: Callable[[], None]) -> None:
+    def __init__(
+        self, addr: str, port: int, hello: Callable[[str], bytes], on_gone: Callable[[], None]
+    ) -> None:
         self._target = (addr, port)
-        self._hello = hello
+        self._hello = hello  # our hello for rank 0's challenge
         self._on_gone = on_gone
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -252,18 +325,27 @@ class PresenceClient:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def _connect(self) -> socket.socket | None:
-        """A connection to rank 0's port with our hello sent; None when that failed
-        (``_refused``: because rank 0's host answered that nothing listens there)."""
+        """A connection to rank 0's port with our hello sent in answer to its challenge;
+        None when that failed (``_refused``: because rank 0's host answered that nothing
+        listens there)."""
         self._refused = False
         try:
             sock = socket.create_connection(self._target, timeout=HELLO_WAIT)
-            sock.sendall(self._hello)
-            sock.settimeout(None)
-            return sock
         except ConnectionRefusedError:
             self._refused = True
             return None
         except OSError:
+            return None
+        try:
+            nonce = _read_challenge(sock)
+            if nonce is None:
+                sock.close()
+                return None
+            sock.sendall(self._hello(nonce))
+            sock.settimeout(None)
+            return sock
+        except OSError:
+            sock.close()
             return None
 
     def _run(self) -> None:
@@ -299,3 +381,18 @@ class PresenceClient:
                 if refused and not self._stop.is_set():
                     self._on_gone()
                 return
+
+
+def _read_challenge(sock: socket.socket) -> str | None:
+    """Rank 0's challenge, the first line on a new connection (the socket's timeout
+    bounds the wait); None when what came is not one (not our presence port)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) <= NONCE_LEN:
+        chunk = sock.recv(NONCE_LEN + 1 - len(line))
+        if not chunk:
+            return None
+        line += chunk
+    nonce = line.strip()
+    if len(nonce) != NONCE_LEN or not all(c in b"0123456789abcdef" for c in nonce):
+        return None
+    return nonce.decode()

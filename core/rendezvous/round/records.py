@@ -30,7 +30,6 @@ value but the counters is signed and bound to its key and job (``signing.py``).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -42,7 +41,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from elastic.core.interfaces.rendezvous import MembershipChange, RendezvousStateError
-from elastic.core.rendezvous.round.signing import mac
 
 log = logging.getLogger(__name__)
 
@@ -141,34 +139,6 @@ def counter(raw: bytes, key: str) -> int:
         raise RendezvousStateError(
             f"rendezvous state key {key!r} is not a counter: {bytes(raw[:60])!r}"
         ) from None
-
-
-def sign(token: bytes, run_id: str, record: dict[str, Any]) -> str:
-    # For a record that travels outside the store (the presence hello): the store's own
-    # records are signed by ``signing.SignedStore``, with the same rule.
-    body = dumps({k: v for k, v in record.items() if k != "sig"})
-    return mac(token, run_id, "presence/hello", body.encode())
-
-
-def signed(token: bytes | None, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
-    if token is not None:
-        record = dict(record, sig=sign(token, run_id, record))
-    return record
-
-
-def verify(token: bytes | None, run_id: str, record: object) -> bool:
-    """Whether ``record`` (anything a peer sent) carries this job's signature. Total: the
-    signature is compared as bytes, since ``hmac.compare_digest`` raises a TypeError for
-    a str with non-ASCII characters, which a peer may send."""
-    if token is None:
-        return True
-    if not isinstance(record, dict):
-        return False
-    sig = record.get("sig")
-    if not isinstance(sig, str):
-        return False
-    expected = sign(token, run_id, record).encode()
-    return hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), expected)
 
 
 def valid_join(record: Any, rnd: int) -> bool:

@@ -14,16 +14,11 @@ dynamic backend reads the same settings by the same rules, here.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousParameters
-
-# The job token from the environment, for a scheduler to inject (``token_file`` wins):
-# the path of a file holding it, or the token itself (not both).
-TOKEN_FILE_ENV = "ELASTIC_RDZV_TOKEN_FILE"
-TOKEN_ENV = "ELASTIC_RDZV_TOKEN"
+from elastic.core.rendezvous.secrets import read_token
 
 # Every key the round itself reads; a backend adds its own (connection, hosting) and the
 # union is checked, so a typo such as ``timeout=`` is an error, not silently ignored.
@@ -36,7 +31,7 @@ ROUND_KEYS = (
     "keep_alive_interval",  # torch's name for heartbeat_interval
     "keep_alive_max_attempt",  # torch's: heartbeat_timeout = interval * this
     "read_timeout",  # s a single store operation may take (10)
-    "token_file",  # file holding the job token: signs the records, admits to our store
+    "token_file",  # file holding the job token (secrets.py): signs records, admits to our store
 )
 
 
@@ -63,33 +58,6 @@ def _number(params: RendezvousParameters, key: str, default: float, *, zero_ok: 
             f"--rdzv-conf {key}={params.get(key)}: expected a number of seconds {expected}"
         )
     return value
-
-
-def _token_from(path: str, given: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise RendezvousConfigError(f"{given}: {exc.strerror or exc}") from None
-    if not token:
-        raise RendezvousConfigError(f"{given}: the file is empty (expected the job token)")
-    return token
-
-
-def read_token(path: str | None) -> bytes | None:
-    """The job token: ``--rdzv-conf token_file``, else ``ELASTIC_RDZV_TOKEN_FILE``, else
-    ``ELASTIC_RDZV_TOKEN``; None for none."""
-    if path:
-        return _token_from(path, f"--rdzv-conf token_file={path}")
-    file_env = os.environ.get(TOKEN_FILE_ENV, "").strip()
-    inline = os.environ.get(TOKEN_ENV, "").strip()
-    if file_env and inline:
-        raise RendezvousConfigError(
-            f"{TOKEN_FILE_ENV} and {TOKEN_ENV} are both set: give the job token one way"
-        )
-    if file_env:
-        return _token_from(file_env, f"{TOKEN_FILE_ENV}={file_env}")
-    return inline.encode() if inline else None
 
 
 def _liveness(params: RendezvousParameters) -> tuple[float, float]:
