@@ -19,6 +19,7 @@ from conftest import Processes, wait_until
 from elastic.core.agent.restarts import claim_restart, give_up, job_failed, restarts_used
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
+from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import add_lost, read_lost
 from elastic.core.rendezvous.round.signing import SignedStore
@@ -167,7 +168,9 @@ def test_a_non_ascii_signature_at_the_failed_flag_stops_no_agent(
         ELASTIC_RDZV_TOKEN="the-job-token",
         RES_OPTIONS="timeout:1 attempts:1",
     )
-    conf = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=1"
+    # is_host=false: a token job takes a store that cannot prove the token (torch's) only
+    # when told that no agent hosts it.
+    conf = "heartbeat_interval=0.5,heartbeat_timeout=3,last_call_timeout=1,is_host=false"
     agents = [
         procs.elastic(
             "run",
@@ -222,10 +225,11 @@ def _drain(proc: subprocess.Popen[Any], out: Path) -> Any:
     return thread
 
 
-def test_verify_refuses_any_signature_shape() -> None:
-    record = R.signed(TOKEN, "job", {"id": "n", "round": 0})
-    assert R.verify(TOKEN, "job", record)
+def test_a_hello_refuses_any_signature_shape() -> None:
+    line = presence.hello_line(TOKEN, "job", "n", 0, "c1")
+    assert presence.read_hello(TOKEN, "job", line, "c1", 0) == ("n", 0)
+    record = json.loads(line)
     for sig in ("\u00e9" * 64, "\ud800", 5, None, record["sig"][:-1] + "0"):
-        assert not R.verify(TOKEN, "job", {**record, "sig": sig})
-    assert not R.verify(TOKEN, "job", ["not", "a", "dict"])
-    assert json.loads(json.dumps(record)) == record
+        forged = json.dumps({**record, "sig": sig}).encode()
+        assert isinstance(presence.read_hello(TOKEN, "job", forged, "c1", 0), str), sig
+    assert isinstance(presence.read_hello(TOKEN, "job", b'["not", "a", "dict"]', "c1", 0), str)
