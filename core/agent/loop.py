@@ -28,7 +28,8 @@ import uuid
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator, checkpoint_before_leaving
 from elastic.core.agent.departure import departure_caused
-from elastic.core.agent.exit_barrier import BarrierEnd, exit_barrier
+from elastic.core.agent.exit_barrier import exit_barrier
+from elastic.core.agent.exit_code import JobEnd, after_barrier, after_close, exit_code
 from elastic.core.agent.failure import failure_records, publish_and_decide, report_failure
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining, leave_alone
@@ -150,7 +151,8 @@ class LocalElasticAgent(ElasticAgent):
         self._notify("elastic_agent_start", spec=self._spec, config=self._config)
         # plugins' variables never override the launch's own
         self._spec.extra_env = {**self._host.worker_env(self._config), **self._spec.extra_env}
-        result = RunResult(WorkerState.FAILED, exit_code=1, message="the agent raised")
+        code = exit_code(JobEnd.NODE_ERROR)
+        result = RunResult(WorkerState.FAILED, exit_code=code, message="the agent raised")
         self._guard.install()
         try:
             try:
@@ -191,7 +193,8 @@ class LocalElasticAgent(ElasticAgent):
         self._stop(signum, self._spec.shutdown_timeout)
         message = f"the agent received {name}; its workers were stopped"
         say(f"elastic: {message}", logging.WARNING)
-        return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
+        code = exit_code(JobEnd.SIGNALLED, signum=signum)
+        return RunResult(WorkerState.FAILED, exit_code=code, message=message)
 
     # --- the loop: rendezvous, start, watch, decide ----------------------------------------
     def _loop(self) -> RunResult:
@@ -230,7 +233,7 @@ class LocalElasticAgent(ElasticAgent):
             return self._one_line_failure(f"lost the rendezvous backend: {exc}")
         except RendezvousMismatchError as exc:
             # A user mistake (wrong software or command on this node): exit 2.
-            return self._one_line_failure(f"refused by the job: {exc}", exit_code=2)
+            return self._one_line_failure(f"refused by the job: {exc}", JobEnd.REFUSED)
         except RendezvousError as exc:
             return self._one_line_failure(f"rendezvous failed: {type(exc).__name__}: {exc}")
         self._store = info.store
@@ -249,11 +252,25 @@ class LocalElasticAgent(ElasticAgent):
         return info
 
     def _closed(self) -> RunResult:
-        """The rendezvous is closed: the job ended, successfully unless it failed."""
-        if self._attempts > 0:
+        """The rendezvous is closed: the job ended, and its failed flag says how
+        (``exit_code.after_close``), for a node that never ran workers (a standby, a late
+        joiner: the handler names the job's store) as for any."""
+        store = self._store if self._store is not None else self._handler.read_job_store()
+        failed: bool | None = None
+        if store is not None:
             with contextlib.suppress(RendezvousError):
-                if self._calls(job_failed, self._store):
-                    return self._final_failure("the job failed on another node")
+                failed = bool(self._calls(job_failed, store))
+        end = after_close(failed)
+        if end is JobEnd.FAILED:
+            self._store = store  # the job's summary: the same root cause as every node's
+            return self._final_failure("the job failed on another node")
+        if end is JobEnd.UNKNOWN:
+            return self._one_line_failure(
+                "the job ended while this node was out of it (fenced, regrouping or waiting "
+                "for a round) and how it ended cannot be read from the rendezvous store: "
+                "not reporting success",
+                JobEnd.UNKNOWN,
+            )
         # The others finished the job while this node was out of it (fenced, between
         # rounds, or late to start). A scheduler must see success, and the user why.
         say(
@@ -443,11 +460,19 @@ class LocalElasticAgent(ElasticAgent):
                 self._handler.lost_nodes,
                 self._calls,
             )
-        if barrier is BarrierEnd.FAILED:
-            return self._final_failure("the job failed on another node")
-        if barrier is BarrierEnd.RESTART:
+        end = after_barrier(barrier)
+        if end is None:  # another node's workers failed this round: rejoin
             self._notify("elastic_restart", group=self._group, reason="failure")
             return None
+        if end is JobEnd.FAILED:
+            return self._final_failure("the job failed on another node")
+        if end is JobEnd.UNKNOWN:
+            return self._one_line_failure(
+                f"this node's workers finished, but not every member of the round reached "
+                f"the exit barrier within {timeout:g}s, and none of those missing was found "
+                "gone: whether the job succeeded is unknown here, so this is not a success",
+                JobEnd.UNKNOWN,
+            )
         with contextlib.suppress(Exception):
             self._calls(self._handler.set_closed)
         if not callable(self._spec.entrypoint):
@@ -513,14 +538,15 @@ class LocalElasticAgent(ElasticAgent):
     def _final_failure(self, message: str) -> RunResult:
         """The run failed for good: one job-wide summary to the error reporting hook."""
         run_id = self._handler.get_run_id()
-        code = report_failure(self._store, run_id, self._host, message, self._calls)
+        root_cause = report_failure(self._store, run_id, self._host, message, self._calls)
+        code = exit_code(JobEnd.FAILED, root_cause=root_cause)
         return RunResult(
             WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
         )
 
-    def _one_line_failure(self, message: str, exit_code: int = 1) -> RunResult:
+    def _one_line_failure(self, message: str, end: JobEnd = JobEnd.NODE_ERROR) -> RunResult:
         say(f"elastic: {message}", logging.ERROR)
-        return RunResult(WorkerState.FAILED, exit_code=exit_code, message=message)
+        return RunResult(WorkerState.FAILED, exit_code=exit_code(end), message=message)
 
     # --- helpers --------------------------------------------------------------------------
     def _sleep(self, seconds: float) -> None:

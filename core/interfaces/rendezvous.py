@@ -332,6 +332,13 @@ class RendezvousHandler(abc.ABC):
         """
         return []
 
+    def read_job_store(self) -> Store | None:
+        """The job's store (what ``RendezvousInfo.store`` is) for a node that holds no
+        round: how a job it never ran in ended (its failed flag) decides its exit code.
+        None: this backend names no store outside a round (such a node then cannot tell,
+        and does not exit 0)."""
+        return None
+
     def set_progress(self, say: Callable[[str], None] | None) -> None:
         """Where to print the lines that say what a rendezvous waits for (each call
         gets one whole line, no newline); None: print nothing. Backends whose

@@ -202,6 +202,9 @@ class RoundRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         self.protocol.set_closed()
 
+    def read_job_store(self) -> SignedStore:
+        return self.job_store
+
     def num_nodes_waiting(self) -> int:
         if self._monitor is None:
             return 0
