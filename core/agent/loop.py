@@ -31,6 +31,7 @@ from elastic.core.agent.departure import departure_caused
 from elastic.core.agent.exit_barrier import exit_barrier
 from elastic.core.agent.exit_code import JobEnd, after_barrier, after_close, exit_code
 from elastic.core.agent.failure import failure_records, publish_and_decide, report_failure
+from elastic.core.agent.fence import FenceGuard
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining, leave_alone
 from elastic.core.agent.monitor import watch_attempt
@@ -82,8 +83,9 @@ from elastic.core.workers.process import (
 )
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
-# Grace for workers stopped because the world they train in is gone (fenced, store lost):
-# they must be down within heartbeat_timeout + 1 s, whatever --shutdown-timeout says.
+# Grace for workers stopped because the world they train in is gone (fenced, store lost),
+# whatever --shutdown-timeout says; a fencing the handler reported stopped them already,
+# with its own shorter grace (``fence.FenceGuard``), which this never extends.
 FENCE_GRACE = 1.0
 
 
@@ -136,6 +138,9 @@ class LocalElasticAgent(ElasticAgent):
         self._calls = BoundedCalls(self._handler)
         # Whether this node has joined the job (a failure before that is its own).
         self._joining = Joining()
+        # Fenced: the workers stop at once, from the handler's thread (``fence``).
+        self._fence = FenceGuard()
+        self._handler.on_fenced(self._fence.fenced)
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -348,6 +353,7 @@ class LocalElasticAgent(ElasticAgent):
             use_agent_store=self._handler.use_agent_store,
             error_files={r: logs.error_file for r, logs in self._logs.items()},
         )
+        self._fence.watch(self._workers, info.round)
         store, round_ = info.store, info.round
 
         def replaced() -> bool:
@@ -440,6 +446,7 @@ class LocalElasticAgent(ElasticAgent):
                 stderr_filters=spec.duplicate_stderr_filters,
             )
         group.state = WorkerState.HEALTHY
+        self._fence.watch(self._workers, info.round)
         self._notify("elastic_workers_started", group=group)
         return None
 
@@ -555,6 +562,7 @@ class LocalElasticAgent(ElasticAgent):
 
     def _stop(self, sig: int, timeout: float) -> None:
         """Stop every worker (their whole process groups), reap them, stop the tee."""
+        timeout = self._fence.release(timeout)  # never longer than a fencing's grace
         if self._workers:
             stop_workers(self._workers, sig, timeout)
         self._workers = []

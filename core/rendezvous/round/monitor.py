@@ -27,7 +27,8 @@ the same rule judges it. "left" is a departure, lost at once.
 
 Fencing (``fenced``): the others published us as lost, or our lease ran out; the agent
 then stops its workers, so a node cut off from the job never trains in a world that has
-moved on.
+moved on. It is told the moment either happens (``on_fenced``: from the lease's judge, or
+from the tick that read the lost list), not when its loop next asks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from elastic.core.interfaces.coordination import CoordinationStore
@@ -46,7 +47,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.lease import Lease
+from elastic.core.rendezvous.round.lease import Expiry, Lease
 from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
 from elastic.core.rendezvous.round.signing import parse_counter, read_values
 
@@ -168,6 +169,11 @@ class Monitor:
         self.interval = interval
         self.timeout = timeout
         self.lease = Lease((lease_store or store).sub(RDZV), R.hb_key(node_id), interval, timeout)
+        self.lease.on_expired = self._lease_ran_out
+        # ``on_fenced(round, grace)``: stop the workers of ``round`` now, SIGKILL after
+        # ``grace`` s (the agent's fence guard; called on this thread or the judge's).
+        self.on_fenced: Callable[[int, float], None] | None = None
+        self._told_lost: int | None = None  # the round we were published lost in, told
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # tick now: a presence connection closed
@@ -273,7 +279,7 @@ class Monitor:
                 self._next_tick = time.monotonic() + self.interval
         if old is not None:
             old.stop()
-        self.lease.arm(asg is not None, outcome_sent)
+        self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
         if rank == 0 and asg is not None and self._presence is not None:
             self._presence.watch(others)
 
@@ -338,6 +344,17 @@ class Monitor:
                 "the others may count it lost; it rejoins when the store answers"
             )
         return None
+
+    def _lease_ran_out(self, expiry: Expiry) -> None:
+        with self._lock:
+            asg = self._round
+        if asg is not None and asg.round == expiry.term:
+            self._tell_fenced(asg.round)
+
+    def _tell_fenced(self, rnd: int) -> None:
+        action = self.on_fenced
+        if action is not None:
+            action(rnd, self.lease.kill_grace)
 
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -415,11 +432,17 @@ class Monitor:
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
         lost = self._check_members(asg, beat_of, asked, answered)
         with self._lock:
-            if asg is self._round:  # not replaced by a new round meanwhile
+            current = asg is self._round  # not replaced by a new round meanwhile
+            if current:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
             if job_keys == self._job_keys:  # not changed meanwhile
                 self._job_values = [v or b"" for v in values[after_beats:]]
+            tell = current and self.node_id in lost and self._told_lost != asg.round
+            if tell:
+                self._told_lost = asg.round
+        if tell:  # the others count us out: our workers must stop now
+            self._tell_fenced(asg.round)
 
     def _read_facts(self, facts: list[str], read: list[bytes | None] | None) -> tuple[bool, int]:
         """(closed, nodes waiting for the next round) from the round's facts (``read``,
