@@ -176,14 +176,15 @@ class Monitor:
         self._told_lost: int | None = None  # the round we were published lost in, told
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # tick now: a presence connection closed
+        self._wake = threading.Event()  # look now: a tick is wanted, or a connection
+        self._tick_now = False  # a presence connection closed: tick at once
         self._presence = presence
         self._hello = hello
         self._client: PresenceClient | None = None
         self._connect_in: R.Assignment | None = None  # the round whose rank 0 to connect to
         self._gone: set[str] = set()  # rank 0, when our connection to it died
         if presence is not None:
-            presence.on_change = self._wake.set
+            presence.on_change = self._want_tick
         self._thread: threading.Thread | None = None
         self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
@@ -266,8 +267,10 @@ class Monitor:
             self.waiting, self.lost = 0, []
             self._events_seen, self._published = None, []
             self._gone = set()
-            # A member connects to rank 0's presence port on its first tick in the round,
-            # not here: a round's forming is not held up by N connections made at once.
+            # A member connects to rank 0's presence port from this thread, woken for it
+            # now (not on the round's first tick, an interval later: a member killed in
+            # its round's first second would be seen only after heartbeat_timeout); the
+            # round's forming is not held up by the connection.
             self._connect_in = asg if rank and asg is not None and asg.presence_port else None
             # The old round's connection goes in the same step: a tick that runs from here
             # on makes the new round's, which nothing may stop.
@@ -277,6 +280,8 @@ class Monitor:
                 # its outcome is fresh, and a thousand members returning together do not
                 # read it again (nor connect to rank 0) while the last are still returning.
                 self._next_tick = time.monotonic() + self.interval
+        if self._connect_in is not None:
+            self._wake.set()
         if old is not None:
             old.stop()
         self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
@@ -310,6 +315,11 @@ class Monitor:
             if asg is not self._round:
                 return
             self._gone.add(node)
+        self._want_tick()
+
+    def _want_tick(self) -> None:
+        with self._lock:
+            self._tick_now = True
         self._wake.set()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
@@ -364,14 +374,16 @@ class Monitor:
             with self._lock:
                 next_tick = self._next_tick
             wake_at = next_tick if due is None else min(next_tick, due)
-            woken = self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            self._connect_presence()  # a new round's, at once (``set_round`` woke us)
             now = time.monotonic()
             with self._lock:
+                woken, self._tick_now = self._tick_now, False
                 if not woken and now < self._next_tick and (due is None or now < due):
-                    continue  # a new round moved the ticks (``set_round``)
+                    continue  # a new round moved the ticks, or only connected
                 if now >= self._next_tick:
                     # After a stall, carry on from now rather than bursting to catch up.
                     self._next_tick = max(self._next_tick + self.interval, now)
