@@ -209,6 +209,9 @@ class Monitor:
         # None: read them on the next tick.
         self._events_seen: int | None = None
         self._published: list[str] = []
+        # The last round and our rank in it while the job re-forms (``set_round``).
+        self._between: R.Assignment | None = None
+        self._between_rank: int | None = None
 
     @property
     def error(self) -> Exception | None:
@@ -262,19 +265,31 @@ class Monitor:
         round's, by rank, which rank 0 watches (the others watch only rank 0)."""
         others = [m for m in members if m != self.node_id] if rank == 0 else []
         with self._lock:
+            # A regroup (no round runs): the last round's presence holds until the next
+            # forms, its connections kept and its deaths published (``_check_between``),
+            # so a member that dies while the others re-form is found by its closed
+            # connection, not by heartbeat_timeout in the coordinator's last call.
+            regroup = asg is None and self._round is not None
+            if regroup:
+                self._between, self._between_rank = self._round, self._rank
+            elif asg is not None:
+                self._between, self._between_rank = None, None
             self._round, self._rank, self._others = asg, rank, others
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
-            self._events_seen, self._published = None, []
-            self._gone = set()
+            self._events_seen = None
+            if not regroup:
+                self._published, self._gone = [], set()
             # A member connects to rank 0's presence port from this thread, woken for it
             # now (not on the round's first tick, an interval later: a member killed in
             # its round's first second would be seen only after heartbeat_timeout); the
             # round's forming is not held up by the connection.
             self._connect_in = asg if rank and asg is not None and asg.presence_port else None
             # The old round's connection goes in the same step: a tick that runs from here
-            # on makes the new round's, which nothing may stop.
-            old, self._client = self._client, None
+            # on makes the new round's, which nothing may stop. A regroup keeps it.
+            old = None
+            if asg is not None or self._between is None:
+                old, self._client = self._client, None
             if asg is not None:
                 # The round's first tick comes an interval after it formed, not at once:
                 # its outcome is fresh, and a thousand members returning together do not
@@ -312,7 +327,7 @@ class Monitor:
     def _died(self, asg: R.Assignment, node: str) -> None:
         """Our connection to ``node`` (rank 0) closed and its port refuses us."""
         with self._lock:
-            if asg is not self._round:
+            if asg is not self._round and asg is not self._between:
                 return
             self._gone.add(node)
         self._want_tick()
@@ -369,7 +384,8 @@ class Monitor:
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            presence = self._presence if self._rank == 0 else None
+            watching = self._rank == 0 or (self._round is None and self._between_rank == 0)
+            presence = self._presence if watching else None
             due = presence.next_due(self._published) if presence is not None else None
             with self._lock:
                 next_tick = self._next_tick
@@ -415,7 +431,9 @@ class Monitor:
         if watch is not None:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
-            return  # between rounds the protocol itself sees closing and new rounds
+            # Between rounds the protocol itself sees closing and new rounds.
+            self._check_between()
+            return
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
         targets = others if rank == 0 else [asg.first]
@@ -498,6 +516,25 @@ class Monitor:
             # Publishing wakes every survivor (their next tick sees the events counter).
             self._published = add_lost(self.store, asg.round, new)
         return self._published
+
+    def _check_between(self) -> None:
+        """While the job re-forms: publish the last round's members whose process died
+        (rank 0's closed connections, or ours to rank 0 refused) in its lost list; the
+        coordinator re-reads it when ``events`` moves and stops waiting for them."""
+        with self._lock:
+            prev, prev_rank, dead = self._between, self._between_rank, set(self._gone)
+            published = list(self._published)
+        if prev is None:
+            return
+        if prev_rank == 0 and self._presence is not None:
+            dead.update(self._presence.gone())
+        new = sorted(dead - set(published) - {self.node_id})
+        if new:
+            log.warning("round %d: lost %s while the job re-forms", prev.round, ", ".join(new))
+            merged = add_lost(self.store, prev.round, new)
+            with self._lock:
+                if self._between is prev:
+                    self._published = merged
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
         asked = time.monotonic()
