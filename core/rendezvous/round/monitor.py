@@ -301,7 +301,16 @@ class Monitor:
             old.stop()
         self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
         if rank == 0 and asg is not None and self._presence is not None:
+            # A member of the new round whose connection to us (rank 0 of the last round
+            # too) closed unasked while the job re-formed died after it joined: the new
+            # round starts with it lost, not with a wait for its heartbeat.
+            died = [n for n in self._presence.gone(grace=0.0) if n in others]
             self._presence.watch(others)
+            if died:
+                with self._lock:
+                    if asg is self._round:
+                        self._gone.update(died)
+                self._want_tick()
 
     def _connect_presence(self) -> None:
         with self._lock:
@@ -537,11 +546,21 @@ class Monitor:
                     self._published = merged
 
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
+        """A forming round's coordinator that stopped: its heartbeat (twice the member
+        timeout), or, at once, its process death published in the last round's lost list
+        while the job re-forms (``_check_between``: the last rank 0 saw its presence
+        connection close)."""
+        with self._lock:
+            prev = self._between
+        keys = [R.hb_key(coordinator)] + ([R.lost_key(prev.round)] if prev is not None else [])
         asked = time.monotonic()
-        (beat,) = read_values(self.store, [R.hb_key(coordinator)])
+        values = read_values(self.store, keys)
+        beat = values[0]
         beats = {} if beat is None else {coordinator: beat}
         stale, done = self._watch_tracker.update(beats, asked, time.monotonic())
-        if stale or done:
+        lost = parse_lost(values[1], self.store.prefix + keys[1]) if prev is not None else []
+        dead = coordinator in lost
+        if stale or done or dead:
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
             # The same compare_set a coordinator publishes with: exactly one outcome wins,
             # and it wakes everyone waiting for this round.
