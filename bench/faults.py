@@ -1,9 +1,10 @@
 """Faults on a simulated 3-host network: how long until the survivors train again.
 
-For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed, its
-cable is cut; the same for node 0, which hosts the c10d store; two of four nodes
-SIGTERMed 0.5 s apart) and each launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with
-etcd-v3, etcd-v2 and etcd on a fourth host), a fresh ``elastic.testing.cluster``
+For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILLed once
+the job trains or as soon as its round's workers started, its cable is cut; the same for
+node 0, which hosts the c10d store; two of four nodes SIGTERMed 0.5 s apart) and each
+launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with etcd-v3, etcd-v2 and
+etcd on a fourth host), a fresh ``elastic.testing.cluster``
 cluster runs a ``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
 together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
 before importing anything, then all-reduce every 0.1 s (noting each finished collective),
@@ -12,12 +13,16 @@ the c10d store's host) gets the fault; the cell is the time from the fault to th
 survivor's worker starting in a new 2-node round, on the hosts' shared clock, with
 "(restart N)" when that cost restarts from the budget. Otherwise, after ``--bound`` s:
 "never: job failed" (the survivors' agents exited), "hung" (their workers stopped
-finishing collectives), or "never" (they train on in the old world).
+finishing collectives), or "never" (they train on in the old world). For a cable cut the
+cell also says how long before the survivors' first new worker started the cut-off
+node's workers had exited (process exit, polled every 10 ms: "gone N s before"; a
+negative N is two worlds at once).
 
 Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
 5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
 
-    python bench/faults.py [--faults sigterm,sigkill,cut,store-sigterm,store-sigkill,two-sigterm]
+    python bench/faults.py [--faults sigterm,sigkill,sigkill-early,cut,store-sigterm,
+                                     store-sigkill,two-sigterm,term-kill]
                            [--impls torchrun,c10d,etcd-v3,etcd-v2,etcd] [--bound 45]
                            [--repeat 1] [--json out.json] [--keep DIR]
 
@@ -38,7 +43,7 @@ from typing import Any
 
 from elastic.testing.benchmarking import in_scratch_dir
 from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import FaultJob, serve_rendezvous
+from elastic.testing.multihost import ExitWatch, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 IMPLS = {  # column -> (launcher, backend)
@@ -52,6 +57,7 @@ HEADERS = {"torchrun": "torchrun (c10d)", **{k: f"ours {k}" for k in IMPLS if k 
 FAULTS = {
     "sigterm": "SIGTERM to its agent",
     "sigkill": "SIGKILL (node lost)",
+    "sigkill-early": "SIGKILL (node lost) as soon as the round's workers started",
     "cut": "cable cut",
     "store-sigterm": "the c10d store's host preempted (SIGTERM to node 0's agent)",
     "store-sigkill": "the c10d store's host crashed (node 0 SIGKILLed)",
@@ -82,9 +88,10 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
         )
         if not job.start_together(nodes, FORM_TIMEOUT):
             return {"result": "did not form", "logs": job.texts()}
-        # Let gloo connect and a few collectives finish before the fault.
-        wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
-        time.sleep(2.0)
+        if fault != "sigkill-early":  # that one lands in the round's first second
+            # Let gloo connect and a few collectives finish before the fault.
+            wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
+            time.sleep(2.0)
         victims = {
             "store-sigterm": [0],
             "store-sigkill": [0],
@@ -93,13 +100,16 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
         }
         gone = [nodes[i] for i in victims.get(fault, [2])]
         survivors = [h for h in nodes if h not in gone]
+        exits = None
+        if fault == "cut":  # the cut-off node's worker processes: when they exit
+            exits = ExitWatch([r["pid"] for r in job.starts() if r["host"] == gone[0].name])
         at = time.time()
         if fault in ("sigterm", "store-sigterm", "two-sigterm"):
             for i, victim in enumerate(gone):
                 if i:
                     time.sleep(0.5)
                 os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
-        elif fault in ("sigkill", "store-sigkill"):
+        elif fault in ("sigkill", "sigkill-early", "store-sigkill"):
             gone[0].kill()
         elif fault == "term-kill":  # the crash lands while the survivors regroup
             os.kill(job.nodes[gone[0].name].proc.pid, signal.SIGTERM)
@@ -122,6 +132,16 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
             out["result"] = f"{out['seconds']:.2f} s" + (
                 f" (restart {out['restart']})" if out["restart"] else ""
             )
+            if exits is not None:
+                wait_until(lambda: exits.all_exited() is not None, 15, interval=0.1)
+                exited = exits.all_exited()
+                names = {h.name for h in survivors}
+                new = min(r["t"] for r in job.starts() if r["host"] in names and r["t"] > at)
+                if exited is None:
+                    out["result"] += "; cut-off workers still running"
+                else:
+                    out["fence_gap"] = round(new - exited, 2)
+                    out["result"] += f"; gone {out['fence_gap']:.2f} s before"
         elif ended():
             codes = [p.returncode for p in agents]
             out["result"] = f"never: job failed after {time.time() - at:.0f} s (exit {codes})"
@@ -129,6 +149,8 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
             last = [job.progressed_at(r) for r in map(job.latest, survivors) if r]
             stalled = not last or any(t is None or time.time() - t > 10 for t in last)
             out["result"] = f"hung ({bound:.0f} s)" if stalled else f"never ({bound:.0f} s)"
+        if exits is not None:
+            exits.stop()
         out["logs"] = job.texts()
         return out
 
@@ -172,7 +194,9 @@ def main() -> None:
             if len(times) == len(runs) and len(runs) > 1:
                 restarts = max(r["restart"] for r in runs)
                 cell = f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
-                cells.append(cell + (f" (restart {restarts})" if restarts else ""))
+                cell += f" (restart {restarts})" if restarts else ""
+                gaps = [r["fence_gap"] for r in runs if "fence_gap" in r]
+                cells.append(cell + (f"; gone >= {min(gaps):.2f} s before" if gaps else ""))
             else:
                 cells.append("; ".join(r["result"] for r in runs))
         print(f"| {FAULTS[fault]} | " + " | ".join(cells) + " |")

@@ -22,6 +22,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -221,6 +222,45 @@ class FaultJob:
 
     def finish(self) -> None:
         self.stop_file.touch()
+
+
+class ExitWatch:
+    """When each of ``pids`` exited (``time.time()``), polled every 10 ms from a thread:
+    a process that is gone or a zombie (exited, not reaped yet) has exited. The hosts
+    are network namespaces only, so their pids are this machine's."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.exited: dict[int, float] = {}
+        self._pids = list(pids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exit-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self.exited) < len(self._pids):
+            for pid in self._pids:
+                if pid not in self.exited and not _running(pid):
+                    self.exited[pid] = time.time()
+            self._stop.wait(0.01)
+
+    def all_exited(self) -> float | None:
+        """When the last of them exited, or None while one runs."""
+        if len(self.exited) < len(self._pids):
+            return None
+        return max(self.exited.values())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def c10d_script_job(

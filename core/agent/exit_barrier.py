@@ -17,9 +17,10 @@ from elastic.core.interfaces.store import Store
 
 
 class BarrierEnd(enum.Enum):
-    DONE = "done"  # every member that is still one arrived (or the timeout passed)
+    DONE = "done"  # every member that is still one arrived
     FAILED = "failed"  # the job failed meanwhile (another node spent the last restart)
     RESTART = "restart"  # another node's workers failed this round: rejoin
+    TIMED_OUT = "timed_out"  # a member neither arrived nor was found gone: not a success
 
 
 def exit_barrier(
@@ -37,7 +38,8 @@ def exit_barrier(
     ``call`` makes each store call (the agent's ``BoundedCalls``). A store this node
     cannot reach for a while (a partition: ``RendezvousFencedError``) does not end the
     barrier: its workers succeeded, so it goes on asking until the store answers or the
-    timeout passes."""
+    timeout passes. A timeout is ``TIMED_OUT``, never ``DONE``: whether the job succeeded
+    is then unknown here (``exit_code``)."""
     key = BARRIER_KEY.format(round_)
     # One read per poll: a whole job finishing at once polls together.
     keys = [f"{key}/done", FAILED_KEY, BUDGET_KEY, key]
@@ -67,7 +69,7 @@ def exit_barrier(
                 call(store.set, f"{key}/done", "1")
             return BarrierEnd.DONE
         time.sleep(0.1)
-    return BarrierEnd.DONE  # as torch: a peer that never arrives does not fail this node
+    return BarrierEnd.TIMED_OUT
 
 
 def _count(raw: bytes) -> int:

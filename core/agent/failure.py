@@ -111,8 +111,9 @@ def report_failure(
     host: PluginHost | None,
     message: str,
     call: Callable[..., Any] = store_call,
-) -> int:
-    """Hand the job-wide failure summary to ``elastic_run_failed``; the exit code.
+) -> int | None:
+    """Hand the job-wide failure summary to ``elastic_run_failed``; the root cause's exit
+    code (None: no summary could be read; ``exit_code`` maps both).
 
     Without a summary (no record published, store gone or cut off: ``call`` bounds the
     read) or without any implementation of the hook, print one line ourselves so a
@@ -127,7 +128,7 @@ def report_failure(
     reported = summary is not None and report_summary(summary, host)
     if not reported:
         say(f"elastic: run failed: {message}", logging.ERROR)
-    return summary.exit_code if summary is not None else 1
+    return summary.exit_code if summary is not None else None
 
 
 def report_summary(summary: fail.FailureSummary, host: PluginHost | None) -> bool:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic.core.agent.exit_code import JobEnd, exit_code
 from elastic.core.agent.failure import report_summary
 from elastic.core.agent.restarts import restart_claimed
 from elastic.core.interfaces import failures as fail
@@ -135,6 +136,5 @@ def leave_alone(
     )
     say(f"elastic: {reason}", logging.ERROR)
     failures = {r.rank: r for r in records}
-    return RunResult(
-        WorkerState.FAILED, failures=failures, exit_code=summary.exit_code, message=reason
-    )
+    code = exit_code(JobEnd.LEFT_ALONE, root_cause=summary.exit_code)
+    return RunResult(WorkerState.FAILED, failures=failures, exit_code=code, message=reason)

@@ -32,8 +32,10 @@ from elastic.core.agent.checkpoint_on_notice import (
     notice_env,
 )
 from elastic.core.agent.departure import departure_caused
-from elastic.core.agent.exit_barrier import BarrierEnd, exit_barrier
+from elastic.core.agent.exit_barrier import exit_barrier
+from elastic.core.agent.exit_code import JobEnd, after_barrier, after_close, exit_code
 from elastic.core.agent.failure import failure_records, publish_and_decide, report_failure
+from elastic.core.agent.fence import FenceGuard
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining, leave_alone
 from elastic.core.agent.monitor import watch_attempt
@@ -85,8 +87,9 @@ from elastic.core.workers.process import (
 )
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
-# Grace for workers stopped because the world they train in is gone (fenced, store lost):
-# they must be down within heartbeat_timeout + 1 s, whatever --shutdown-timeout says.
+# Grace for workers stopped because the world they train in is gone (fenced, store lost),
+# whatever --shutdown-timeout says; a fencing the handler reported stopped them already,
+# with its own shorter grace (``fence.FenceGuard``), which this never extends.
 FENCE_GRACE = 1.0
 
 
@@ -139,6 +142,9 @@ class LocalElasticAgent(ElasticAgent):
         self._calls = BoundedCalls(self._handler)
         # Whether this node has joined the job (a failure before that is its own).
         self._joining = Joining()
+        # Fenced: the workers stop at once, from the handler's thread (``fence``).
+        self._fence = FenceGuard()
+        self._handler.on_fenced(self._fence.fenced)
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -154,7 +160,8 @@ class LocalElasticAgent(ElasticAgent):
         self._notify("elastic_agent_start", spec=self._spec, config=self._config)
         # plugins' variables never override the launch's own
         self._spec.extra_env = {**self._host.worker_env(self._config), **self._spec.extra_env}
-        result = RunResult(WorkerState.FAILED, exit_code=1, message="the agent raised")
+        code = exit_code(JobEnd.NODE_ERROR)
+        result = RunResult(WorkerState.FAILED, exit_code=code, message="the agent raised")
         self._guard.install()
         try:
             try:
@@ -195,7 +202,8 @@ class LocalElasticAgent(ElasticAgent):
         self._stop(signum, self._spec.shutdown_timeout)
         message = f"the agent received {name}; its workers were stopped"
         say(f"elastic: {message}", logging.WARNING)
-        return RunResult(WorkerState.FAILED, exit_code=128 + signum, message=message)
+        code = exit_code(JobEnd.SIGNALLED, signum=signum)
+        return RunResult(WorkerState.FAILED, exit_code=code, message=message)
 
     # --- the loop: rendezvous, start, watch, decide ----------------------------------------
     def _loop(self) -> RunResult:
@@ -234,7 +242,7 @@ class LocalElasticAgent(ElasticAgent):
             return self._one_line_failure(f"lost the rendezvous backend: {exc}")
         except RendezvousMismatchError as exc:
             # A user mistake (wrong software or command on this node): exit 2.
-            return self._one_line_failure(f"refused by the job: {exc}", exit_code=2)
+            return self._one_line_failure(f"refused by the job: {exc}", JobEnd.REFUSED)
         except RendezvousError as exc:
             return self._one_line_failure(f"rendezvous failed: {type(exc).__name__}: {exc}")
         self._store = info.store
@@ -253,11 +261,25 @@ class LocalElasticAgent(ElasticAgent):
         return info
 
     def _closed(self) -> RunResult:
-        """The rendezvous is closed: the job ended, successfully unless it failed."""
-        if self._attempts > 0:
+        """The rendezvous is closed: the job ended, and its failed flag says how
+        (``exit_code.after_close``), for a node that never ran workers (a standby, a late
+        joiner: the handler names the job's store) as for any."""
+        store = self._store if self._store is not None else self._handler.read_job_store()
+        failed: bool | None = None
+        if store is not None:
             with contextlib.suppress(RendezvousError):
-                if self._calls(job_failed, self._store):
-                    return self._final_failure("the job failed on another node")
+                failed = bool(self._calls(job_failed, store))
+        end = after_close(failed)
+        if end is JobEnd.FAILED:
+            self._store = store  # the job's summary: the same root cause as every node's
+            return self._final_failure("the job failed on another node")
+        if end is JobEnd.UNKNOWN:
+            return self._one_line_failure(
+                "the job ended while this node was out of it (fenced, regrouping or waiting "
+                "for a round) and how it ended cannot be read from the rendezvous store: "
+                "not reporting success",
+                JobEnd.UNKNOWN,
+            )
         # The others finished the job while this node was out of it (fenced, between
         # rounds, or late to start). A scheduler must see success, and the user why.
         say(
@@ -335,6 +357,7 @@ class LocalElasticAgent(ElasticAgent):
             use_agent_store=self._handler.use_agent_store,
             error_files={r: logs.error_file for r, logs in self._logs.items()},
         )
+        self._fence.watch(self._workers, info.round)
         store, round_ = info.store, info.round
 
         def replaced() -> bool:
@@ -430,6 +453,7 @@ class LocalElasticAgent(ElasticAgent):
                 stderr_filters=spec.duplicate_stderr_filters,
             )
         group.state = WorkerState.HEALTHY
+        self._fence.watch(self._workers, info.round)
         self._notify("elastic_workers_started", group=group)
         return None
 
@@ -450,11 +474,19 @@ class LocalElasticAgent(ElasticAgent):
                 self._handler.lost_nodes,
                 self._calls,
             )
-        if barrier is BarrierEnd.FAILED:
-            return self._final_failure("the job failed on another node")
-        if barrier is BarrierEnd.RESTART:
+        end = after_barrier(barrier)
+        if end is None:  # another node's workers failed this round: rejoin
             self._notify("elastic_restart", group=self._group, reason="failure")
             return None
+        if end is JobEnd.FAILED:
+            return self._final_failure("the job failed on another node")
+        if end is JobEnd.UNKNOWN:
+            return self._one_line_failure(
+                f"this node's workers finished, but not every member of the round reached "
+                f"the exit barrier within {timeout:g}s, and none of those missing was found "
+                "gone: whether the job succeeded is unknown here, so this is not a success",
+                JobEnd.UNKNOWN,
+            )
         with contextlib.suppress(Exception):
             self._calls(self._handler.set_closed)
         if not callable(self._spec.entrypoint):
@@ -520,14 +552,15 @@ class LocalElasticAgent(ElasticAgent):
     def _final_failure(self, message: str) -> RunResult:
         """The run failed for good: one job-wide summary to the error reporting hook."""
         run_id = self._handler.get_run_id()
-        code = report_failure(self._store, run_id, self._host, message, self._calls)
+        root_cause = report_failure(self._store, run_id, self._host, message, self._calls)
+        code = exit_code(JobEnd.FAILED, root_cause=root_cause)
         return RunResult(
             WorkerState.FAILED, failures=dict(self._failures), exit_code=code, message=message
         )
 
-    def _one_line_failure(self, message: str, exit_code: int = 1) -> RunResult:
+    def _one_line_failure(self, message: str, end: JobEnd = JobEnd.NODE_ERROR) -> RunResult:
         say(f"elastic: {message}", logging.ERROR)
-        return RunResult(WorkerState.FAILED, exit_code=exit_code, message=message)
+        return RunResult(WorkerState.FAILED, exit_code=exit_code(end), message=message)
 
     # --- helpers --------------------------------------------------------------------------
     def _sleep(self, seconds: float) -> None:
@@ -536,6 +569,7 @@ class LocalElasticAgent(ElasticAgent):
 
     def _stop(self, sig: int, timeout: float) -> None:
         """Stop every worker (their whole process groups), reap them, stop the tee."""
+        timeout = self._fence.release(timeout)  # never longer than a fencing's grace
         if self._workers:
             if self._coordinator is not None:  # a signal from us ends them: never deferred
                 self._coordinator.control.stopping()

@@ -342,6 +342,22 @@ class RendezvousHandler(abc.ABC):
         """
         return []
 
+    def on_fenced(self, action: Callable[[int, float], None] | None) -> None:
+        """Call ``action(round, grace)`` the moment this node is fenced in ``round`` (the
+        ``RendezvousFencedError`` that ``lost_nodes`` raises from then on): its workers
+        must be signalled at once and SIGKILLed ``grace`` s later, so they are gone
+        before any peer may count this node lost. Called from a thread of the handler's
+        (keep it short), never waiting for the agent's loop to ask. Backends that never
+        fence do nothing."""
+        return None
+
+    def read_job_store(self) -> Store | None:
+        """The job's store (what ``RendezvousInfo.store`` is) for a node that holds no
+        round: how a job it never ran in ended (its failed flag) decides its exit code.
+        None: this backend names no store outside a round (such a node then cannot tell,
+        and does not exit 0)."""
+        return None
+
     def set_progress(self, say: Callable[[str], None] | None) -> None:
         """Where to print the lines that say what a rendezvous waits for (each call
         gets one whole line, no newline); None: print nothing. Backends whose

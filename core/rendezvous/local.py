@@ -64,6 +64,9 @@ class LocalRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         self._closed = True
 
+    def read_job_store(self) -> LocalStore:
+        return self._store
+
     def num_nodes_waiting(self) -> int:
         return 0
 

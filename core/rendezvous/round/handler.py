@@ -206,6 +206,13 @@ class RoundRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         self.protocol.set_closed()
 
+    def on_fenced(self, action: Callable[[int, float], None] | None) -> None:
+        if self._monitor is not None:
+            self._monitor.on_fenced = action
+
+    def read_job_store(self) -> SignedStore:
+        return self.job_store
+
     def num_nodes_waiting(self) -> int:
         if self._monitor is None:
             return 0

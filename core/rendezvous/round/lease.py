@@ -15,10 +15,13 @@ s_k + heartbeat_timeout. And since that read still returns k's value, no later k
 had been applied when it was issued, so none had been acknowledged either: the newest
 keep-alive the node could have seen acknowledged by then is k or an older one, and its
 lease ran out by s_k + length = s_k + heartbeat_timeout - STOP_MARGIN. Only durations are
-compared (each on its own monotonic clock), never two machines' clocks. The node's agent
-reads ``fenced`` about every 0.5 s and sends its workers SIGTERM at once, so they are
-stopped before the verdict, and a new round forms only after it (the verdict has to be
-published and seen first). The rule counts nothing but the store's answers: a tick that
+compared (each on its own monotonic clock), never two machines' clocks. The judge runs
+when the lease ends and tells the agent at once (``on_expired``, through the monitor's
+``on_fenced``): the agent's fence guard signals the workers from that thread and SIGKILLs
+them ``kill_grace`` (a third of ``STOP_MARGIN``) later from a timer, whatever its main
+loop is doing (a store call, a grace, a poll interval), so they are gone two thirds of
+``STOP_MARGIN`` before the verdict, and a new round forms only after it (the verdict has
+to be published and seen first). The rule counts nothing but the store's answers: a tick that
 runs late, a log write or a WAIT on another connection never fences anyone; keep-alives
 have a connection and a thread of their own.
 
@@ -66,6 +69,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic.core.interfaces.coordination import HOST_HEARD_WITHIN, CoordinationStore
@@ -79,7 +83,7 @@ from elastic.core.rendezvous.round.judges import JUDGES
 log = logging.getLogger(__name__)
 
 # How much sooner than the peers' verdict (heartbeat_timeout) a node fences: time for its
-# agent to see it (it polls every 0.5 s) and to signal its workers.
+# workers to be signalled, given a grace and killed (``Lease.kill_grace``).
 STOP_MARGIN = 1.0
 # How often the judge looks again while the lease is in jeopardy (run out, store slow).
 JEOPARDY_POLL = 0.1
@@ -92,9 +96,11 @@ def lease_length(heartbeat_timeout: float) -> float:
 
 @dataclass(frozen=True)
 class Expiry:
-    """Why the lease ran out: how long no keep-alive had been acknowledged then."""
+    """Why the lease ran out: how long no keep-alive had been acknowledged then; ``term``:
+    what ``arm`` was given for the round it ran out in."""
 
     silent: float
+    term: int = -1
 
 
 class Lease:
@@ -107,6 +113,13 @@ class Lease:
         self.key = key
         self.timeout = timeout
         self.length = lease_length(timeout)
+        # The workers' SIGTERM-to-SIGKILL grace once fenced: they are gone two thirds of
+        # the margin before any peer's verdict, the last third for the signals and exits.
+        self.kill_grace = (timeout - self.length) / 3
+        # Called on the judge's thread the moment the lease runs out (once per term).
+        self.on_expired: Callable[[Expiry], None] | None = None
+        self._term = -1
+        self._told: Expiry | None = None
         # At least three keep-alives per lease: one late or lost answer never ends it.
         self.period = min(interval, self.length / 3)
         self._lock = threading.Lock()
@@ -163,15 +176,18 @@ class Lease:
         if not quiet:
             self._wake_keeper.set()
 
-    def arm(self, member: bool, outcome_sent: float | None = None) -> None:
+    def arm(self, member: bool, outcome_sent: float | None = None, term: int = -1) -> None:
         """A round with this node in it formed (``member``), or none is running. A new
         round starts unfenced. The request that brought the round's outcome, sent at
         ``outcome_sent`` and answered, counts as an acknowledged keep-alive (see the
         module); a lease stale even so (a long wait) is renewed first, so the round does
-        not start fenced. The keep-alives go on from there, a period after the last."""
+        not start fenced. The keep-alives go on from there, a period after the last.
+        ``term`` (the round) goes with an expiry, so a late one is never taken for the
+        next round's."""
         with self._lock:
             self._expired = None
             self._armed = False
+            self._term = term
             if outcome_sent is not None and (
                 self._acked_sent is None or outcome_sent > self._acked_sent
             ):
@@ -192,7 +208,19 @@ class Lease:
     def expired(self) -> Expiry | None:
         with self._lock:
             self._judge(time.monotonic())
-            return self._expired
+            expired = self._expired
+        self._tell()
+        return expired
+
+    def _tell(self) -> None:
+        """Hand a new expiry to ``on_expired`` (outside the lock: it signals workers)."""
+        with self._lock:
+            expired = self._expired
+            if expired is None or expired is self._told:
+                return
+            self._told = expired
+        if self.on_expired is not None:
+            self.on_expired(expired)
 
     # -- keep-alives ------------------------------------------------------------------
     def renew(self) -> None:
@@ -268,9 +296,10 @@ class Lease:
         """Judge now; when to judge again (monotonic), None: not until ``arm``."""
         with self._lock:
             self._judge(now)
-            if not self._armed or self._expired is not None:
-                return None  # nothing to judge until the next round
-            return now + max(self._left(now), JEOPARDY_POLL)
+            done = not self._armed or self._expired is not None
+            due = None if done else now + max(self._left(now), JEOPARDY_POLL)
+        self._tell()  # at the lease's end: the judge is due then
+        return due  # None: nothing to judge until the next round
 
     def _judge(self, now: float) -> None:
         """Record the expiry when the lease ran out and is not in jeopardy. Caller holds
@@ -291,4 +320,4 @@ class Lease:
                     heard,
                 )
             return
-        self._expired = Expiry(silent)
+        self._expired = Expiry(silent, self._term)

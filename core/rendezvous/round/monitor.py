@@ -27,7 +27,8 @@ the same rule judges it. "left" is a departure, lost at once.
 
 Fencing (``fenced``): the others published us as lost, or our lease ran out; the agent
 then stops its workers, so a node cut off from the job never trains in a world that has
-moved on.
+moved on. It is told the moment either happens (``on_fenced``: from the lease's judge, or
+from the tick that read the lost list), not when its loop next asks.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.lease import Lease
+from elastic.core.rendezvous.round.lease import Expiry, Lease
 from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
 from elastic.core.rendezvous.round.signing import parse_counter, read_values
 
@@ -168,16 +169,22 @@ class Monitor:
         self.interval = interval
         self.timeout = timeout
         self.lease = Lease((lease_store or store).sub(RDZV), R.hb_key(node_id), interval, timeout)
+        self.lease.on_expired = self._lease_ran_out
+        # ``on_fenced(round, grace)``: stop the workers of ``round`` now, SIGKILL after
+        # ``grace`` s (the agent's fence guard; called on this thread or the judge's).
+        self.on_fenced: Callable[[int, float], None] | None = None
+        self._told_lost: int | None = None  # the round we were published lost in, told
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # tick now: a presence connection closed
+        self._wake = threading.Event()  # look now: a tick is wanted, or a connection
+        self._tick_now = False  # a presence connection closed: tick at once
         self._presence = presence
         self._hello = hello
         self._client: PresenceClient | None = None
         self._connect_in: R.Assignment | None = None  # the round whose rank 0 to connect to
         self._gone: set[str] = set()  # rank 0, when our connection to it died
         if presence is not None:
-            presence.on_change = self._wake.set
+            presence.on_change = self._want_tick
         self._thread: threading.Thread | None = None
         self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
@@ -202,6 +209,9 @@ class Monitor:
         # None: read them on the next tick.
         self._events_seen: int | None = None
         self._published: list[str] = []
+        # The last round and our rank in it while the job re-forms (``set_round``).
+        self._between: R.Assignment | None = None
+        self._between_rank: int | None = None
 
     @property
     def error(self) -> Exception | None:
@@ -255,27 +265,52 @@ class Monitor:
         round's, by rank, which rank 0 watches (the others watch only rank 0)."""
         others = [m for m in members if m != self.node_id] if rank == 0 else []
         with self._lock:
+            # A regroup (no round runs): the last round's presence holds until the next
+            # forms, its connections kept and its deaths published (``_check_between``),
+            # so a member that dies while the others re-form is found by its closed
+            # connection, not by heartbeat_timeout in the coordinator's last call.
+            regroup = asg is None and self._round is not None
+            if regroup:
+                self._between, self._between_rank = self._round, self._rank
+            elif asg is not None:
+                self._between, self._between_rank = None, None
             self._round, self._rank, self._others = asg, rank, others
             self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
-            self._events_seen, self._published = None, []
-            self._gone = set()
-            # A member connects to rank 0's presence port on its first tick in the round,
-            # not here: a round's forming is not held up by N connections made at once.
+            self._events_seen = None
+            if not regroup:
+                self._published, self._gone = [], set()
+            # A member connects to rank 0's presence port from this thread, woken for it
+            # now (not on the round's first tick, an interval later: a member killed in
+            # its round's first second would be seen only after heartbeat_timeout); the
+            # round's forming is not held up by the connection.
             self._connect_in = asg if rank and asg is not None and asg.presence_port else None
             # The old round's connection goes in the same step: a tick that runs from here
-            # on makes the new round's, which nothing may stop.
-            old, self._client = self._client, None
+            # on makes the new round's, which nothing may stop. A regroup keeps it.
+            old = None
+            if asg is not None or self._between is None:
+                old, self._client = self._client, None
             if asg is not None:
                 # The round's first tick comes an interval after it formed, not at once:
                 # its outcome is fresh, and a thousand members returning together do not
                 # read it again (nor connect to rank 0) while the last are still returning.
                 self._next_tick = time.monotonic() + self.interval
+        if self._connect_in is not None:
+            self._wake.set()
         if old is not None:
             old.stop()
-        self.lease.arm(asg is not None, outcome_sent)
+        self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
         if rank == 0 and asg is not None and self._presence is not None:
+            # A member of the new round whose connection to us (rank 0 of the last round
+            # too) closed unasked while the job re-formed died after it joined: the new
+            # round starts with it lost, not with a wait for its heartbeat.
+            died = [n for n in self._presence.gone(grace=0.0) if n in others]
             self._presence.watch(others, asg.round)
+            if died:
+                with self._lock:
+                    if asg is self._round:
+                        self._gone.update(died)
+                self._want_tick()
 
     def _connect_presence(self) -> None:
         with self._lock:
@@ -304,9 +339,14 @@ class Monitor:
     def _died(self, asg: R.Assignment, node: str) -> None:
         """Our connection to ``node`` (rank 0) closed and its port refuses us."""
         with self._lock:
-            if asg is not self._round:
+            if asg is not self._round and asg is not self._between:
                 return
             self._gone.add(node)
+        self._want_tick()
+
+    def _want_tick(self) -> None:
+        with self._lock:
+            self._tick_now = True
         self._wake.set()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
@@ -342,22 +382,36 @@ class Monitor:
             )
         return None
 
+    def _lease_ran_out(self, expiry: Expiry) -> None:
+        with self._lock:
+            asg = self._round
+        if asg is not None and asg.round == expiry.term:
+            self._tell_fenced(asg.round)
+
+    def _tell_fenced(self, rnd: int) -> None:
+        action = self.on_fenced
+        if action is not None:
+            action(rnd, self.lease.kill_grace)
+
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            presence = self._presence if self._rank == 0 else None
+            watching = self._rank == 0 or (self._round is None and self._between_rank == 0)
+            presence = self._presence if watching else None
             due = presence.next_due(self._published) if presence is not None else None
             with self._lock:
                 next_tick = self._next_tick
             wake_at = next_tick if due is None else min(next_tick, due)
-            woken = self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            self._connect_presence()  # a new round's, at once (``set_round`` woke us)
             now = time.monotonic()
             with self._lock:
+                woken, self._tick_now = self._tick_now, False
                 if not woken and now < self._next_tick and (due is None or now < due):
-                    continue  # a new round moved the ticks (``set_round``)
+                    continue  # a new round moved the ticks, or only connected
                 if now >= self._next_tick:
                     # After a stall, carry on from now rather than bursting to catch up.
                     self._next_tick = max(self._next_tick + self.interval, now)
@@ -389,7 +443,9 @@ class Monitor:
         if watch is not None:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
-            return  # between rounds the protocol itself sees closing and new rounds
+            # Between rounds the protocol itself sees closing and new rounds.
+            self._check_between()
+            return
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
         targets = others if rank == 0 else [asg.first]
@@ -418,11 +474,17 @@ class Monitor:
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
         lost = self._check_members(asg, beat_of, asked, answered)
         with self._lock:
-            if asg is self._round:  # not replaced by a new round meanwhile
+            current = asg is self._round  # not replaced by a new round meanwhile
+            if current:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
             if job_keys == self._job_keys:  # not changed meanwhile
                 self._job_values = [v or b"" for v in values[after_beats:]]
+            tell = current and self.node_id in lost and self._told_lost != asg.round
+            if tell:
+                self._told_lost = asg.round
+        if tell:  # the others count us out: our workers must stop now
+            self._tell_fenced(asg.round)
 
     def _read_facts(self, facts: list[str], read: list[bytes | None] | None) -> tuple[bool, int]:
         """(closed, nodes waiting for the next round) from the round's facts (``read``,
@@ -467,12 +529,41 @@ class Monitor:
             self._published = add_lost(self.store, asg.round, new)
         return self._published
 
+    def _check_between(self) -> None:
+        """While the job re-forms: publish the last round's members whose process died
+        (rank 0's closed connections, or ours to rank 0 refused) in its lost list; the
+        coordinator re-reads it when ``events`` moves and stops waiting for them."""
+        with self._lock:
+            prev, prev_rank, dead = self._between, self._between_rank, set(self._gone)
+            published = list(self._published)
+        if prev is None:
+            return
+        if prev_rank == 0 and self._presence is not None:
+            dead.update(self._presence.gone())
+        new = sorted(dead - set(published) - {self.node_id})
+        if new:
+            log.warning("round %d: lost %s while the job re-forms", prev.round, ", ".join(new))
+            merged = add_lost(self.store, prev.round, new)
+            with self._lock:
+                if self._between is prev:
+                    self._published = merged
+
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
+        """A forming round's coordinator that stopped: its heartbeat (twice the member
+        timeout), or, at once, its process death published in the last round's lost list
+        while the job re-forms (``_check_between``: the last rank 0 saw its presence
+        connection close)."""
+        with self._lock:
+            prev = self._between
+        keys = [R.hb_key(coordinator)] + ([R.lost_key(prev.round)] if prev is not None else [])
         asked = time.monotonic()
-        (beat,) = read_values(self.store, [R.hb_key(coordinator)])
+        values = read_values(self.store, keys)
+        beat = values[0]
         beats = {} if beat is None else {coordinator: beat}
         stale, done = self._watch_tracker.update(beats, asked, time.monotonic())
-        if stale or done:
+        lost = parse_lost(values[1], self.store.prefix + keys[1]) if prev is not None else []
+        dead = coordinator in lost
+        if stale or done or dead:
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
             # The same compare_set a coordinator publishes with: exactly one outcome wins,
             # and it wakes everyone waiting for this round.

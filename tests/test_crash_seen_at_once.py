@@ -1,0 +1,167 @@
+"""A crash is seen at once whenever it happens: an agent SIGKILLed (with its workers) in
+the first second of its round, or while the others re-form after a departure, is found
+through its closed presence connection, not after ``heartbeat_timeout`` (30 s here, and
+a 30 s last call, so only presence can explain a regroup within ``SEEN_WITHIN``).
+Before, a member connected to rank 0's presence port on its round's first tick, an
+interval after the round formed, and presence ended when a regroup began, so either kill
+waited for the heartbeats. Real agents (``elastic run``) on loopback, on c10d (a member
+killed) and etcd-v3 (rank 0 killed in its round's first second: every member watches
+it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Processes, wait_until
+from conftest import write_script as script
+
+pytest_plugins = ["elastic.testing.etcd"]
+pytestmark = pytest.mark.slow
+
+SEEN_WITHIN = 8.0  # s from the kill to the survivors' new round (heartbeat_timeout: 30 s)
+CONF = "heartbeat_interval=1,heartbeat_timeout=30,last_call_timeout=1"
+SLOW_LAST_CALL = "heartbeat_interval=1,heartbeat_timeout=30,last_call_timeout=30"
+
+WORKER = """
+import os, sys, time
+out = sys.argv[1]
+name = f"{os.environ['GROUP_RANK']}_{os.environ['WORLD_SIZE']}_{os.getpid()}"
+open(os.path.join(out, name), "w").close()
+while not os.path.exists(os.path.join(out, "stop")):
+    time.sleep(0.02)
+"""
+FORMED = re.compile(r"round \d+ formed: 2 nodes \(was 3\)")
+FORMED_TWO = re.compile(r"round \d+ formed: 2 nodes")
+
+
+def agents(
+    procs: Processes,
+    tmp_path: Path,
+    backend: str,
+    endpoint: str,
+    n: int,
+    nnodes: str = "2:3",
+    conf: str = CONF,
+) -> list[subprocess.Popen[str]]:
+    worker = script(tmp_path, "w.py", WORKER)
+    started = []
+    for i in range(n):
+        log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 -- the child holds it
+        started.append(
+            procs.elastic(
+                "run",
+                f"--nnodes={nnodes}",
+                "--nproc-per-node=1",
+                f"--rdzv-backend={backend}",
+                f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=crash",
+                f"--rdzv-conf={conf}",
+                "--monitor-interval=0.1",
+                worker,
+                str(tmp_path / "out"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        log.close()
+        if i == 0 and backend == "c10d":
+            time.sleep(1.0)  # the store's host first
+    return started
+
+
+def texts(tmp_path: Path, n: int) -> list[str]:
+    return [(tmp_path / f"agent{i}.log").read_text() for i in range(n)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_kill_in_the_round_s_first_second_is_seen_at_once(
+    procs: Processes, tmp_path: Path, port: int, backend: str, request: Any
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    if backend == "c10d":
+        endpoint = f"127.0.0.1:{port}"
+    else:
+        endpoint = request.getfixturevalue("etcd_server").endpoint
+    trio = agents(procs, tmp_path, backend, endpoint, 3)
+
+    def first_round() -> dict[int, int]:  # group rank -> worker pid, in the 3-node round
+        records = [name.split("_") for name in os.listdir(out) if name.count("_") == 2]
+        return {int(g): int(p) for g, w, p in records if w == "3"}
+
+    # Kill as soon as the victim's worker started: its round formed moments ago.
+    want = 0 if backend == "etcd-v3" else 2  # etcd: rank 0, whom every member watches
+    assert wait_until(lambda: want in first_round(), 60, interval=0.01), texts(tmp_path, 3)
+    worker_pid = first_round()[want]
+    stat = Path(f"/proc/{worker_pid}/stat").read_text()
+    agent_pid = int(stat.rsplit(")", 1)[1].split()[1])  # the worker's parent
+    victim = next(a for a in trio if a.pid == agent_pid)
+    os.killpg(victim.pid, signal.SIGKILL)  # the agent and its workers: the node is gone
+    killed = time.monotonic()
+    survivors = [i for i, a in enumerate(trio) if a is not victim]
+    seen = wait_until(
+        lambda: all(FORMED.search(texts(tmp_path, 3)[i]) for i in survivors), 25, interval=0.05
+    )
+    took = time.monotonic() - killed
+    assert seen, "\n---\n".join(texts(tmp_path, 3))
+    print(f"{backend}: survivors formed a 2-node round {took:.2f}s after the kill")
+    assert took < SEEN_WITHIN, f"{took:.2f}s\n" + "\n---\n".join(texts(tmp_path, 3))
+    (out / "stop").touch()
+    for i in survivors:
+        assert trio[i].wait(timeout=30) == 0, texts(tmp_path, 3)[i]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_kill_while_the_others_regroup_is_seen_at_once(
+    procs: Processes, tmp_path: Path, port: int, backend: str, request: Any
+) -> None:
+    """Four nodes; one is SIGTERMed (a departure: the others regroup), another SIGKILLed
+    0.5 s later, while they re-form. The coordinator would wait for it until its
+    heartbeat is 30 s stale (or the 30 s last call); its closed presence connection,
+    published in the last round's lost list, ends the wait at once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if backend == "c10d":
+        endpoint = f"127.0.0.1:{port}"
+    else:
+        endpoint = request.getfixturevalue("etcd_server").endpoint
+    four = agents(procs, tmp_path, backend, endpoint, 4, "2:4", SLOW_LAST_CALL)
+
+    def first_round() -> dict[int, int]:
+        records = [name.split("_") for name in os.listdir(out) if name.count("_") == 2]
+        return {int(g): int(p) for g, w, p in records if w == "4"}
+
+    assert wait_until(lambda: len(first_round()) == 4, 60), "\n".join(texts(tmp_path, 4))
+    time.sleep(1.5)  # every member's presence connection is up, the round runs
+
+    def agent_of(group_rank: int) -> subprocess.Popen[str]:
+        stat = Path(f"/proc/{first_round()[group_rank]}/stat").read_text()
+        return next(a for a in four if a.pid == int(stat.rsplit(")", 1)[1].split()[1]))
+
+    leaving, crashing = agent_of(3), agent_of(2)  # never rank 0 (nor c10d's store host)
+    os.kill(leaving.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    os.killpg(crashing.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    survivors = [i for i, a in enumerate(four) if a not in (leaving, crashing)]
+    seen = wait_until(
+        lambda: all(FORMED_TWO.search(texts(tmp_path, 4)[i]) for i in survivors),
+        40,
+        interval=0.05,
+    )
+    took = time.monotonic() - killed
+    assert seen, "\n---\n".join(texts(tmp_path, 4))
+    print(f"{backend}: survivors formed a 2-node round {took:.2f}s after the kill")
+    assert took < SEEN_WITHIN, f"{took:.2f}s\n" + "\n---\n".join(texts(tmp_path, 4))
+    (out / "stop").touch()
+    for i in survivors:
+        assert four[i].wait(timeout=30) == 0, texts(tmp_path, 4)[i]
