@@ -174,10 +174,12 @@ def test_a_replayed_hello_after_a_round_forms_causes_no_regroup(make: Make) -> N
     round forms (before the member's own connection): it once made rank 0 declare the
     member lost, fence it and restart every worker, three times out of three."""
     handlers = [make() for _ in range(3)]
+    # A member connects the instant its round forms: record from before the first one.
+    recorders = {id(h): record_hellos(h) for h in handlers}
     infos = rendezvous_all(handlers)
     rank0 = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 0)
     victim = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 1)
-    sent = record_hellos(victim)
+    sent = recorders[id(victim)]
     for rnd in range(2):  # each round: the member connects, then a new round forms
         assert wait_until(lambda: len(sent) > rnd, 10)  # noqa: B023
         recorded = sent[-1]
