@@ -55,11 +55,17 @@ def regrouped(job: FaultJob, hosts: list[Host], since: float, what: str) -> floa
 
 
 def new_holder(job: FaultJob, left: Host, hosts: list[Host]) -> Host:
-    """Whom ``left``'s agent handed the store to, from its line saying so."""
+    """Whom ``left``'s agent handed the store to, from its line saying so, once it
+    exited as a preempted agent does."""
     node = job.nodes[left.name]
     assert node.wait(timeout=30) == 128 + signal.SIGTERM, node.text()
-    found = re.search(r"handed the c10d rendezvous store over to (\S+?):\d+;", node.text())
-    assert found, node.text()
+    return handed_to(job, left, hosts)
+
+
+def handed_to(job: FaultJob, left: Host, hosts: list[Host]) -> Host:
+    text = job.nodes[left.name].text()
+    found = re.search(r"handed the c10d rendezvous store over to (\S+?):\d+;", text)
+    assert found, text
     return next(h for h in hosts if found[1] in (h.name, h.addr))
 
 
@@ -137,3 +143,23 @@ def test_the_store_host_preempted_during_a_regroup(
     no_restart_spent(job)
     finish(job, rest)
     print(f"member, then the store host {gap}s later: the rest ran again after {took:.2f}s")
+
+
+@pytest.mark.timeout(180)
+def test_the_store_moves_twice_within_a_second(cluster_factory: Make, tmp_path: Path) -> None:
+    """The node that took the store is preempted the moment it has it (before anyone
+    regrouped on it): it hands it on in turn, and the last two train on."""
+    job = start(cluster_factory, tmp_path, 4, "2:4")
+    hosts = list(job.cluster.hosts)
+    at = preempt(job, hosts[0])
+    told = wait_until(lambda: "handed the c10d" in job.nodes[hosts[0].name].text(), 10, 0.01)
+    assert told, job.texts()
+    second = handed_to(job, hosts[0], hosts[1:])
+    gap = preempt(job, second) - at
+    assert gap < 1.0, f"the second preemption came {gap:.2f}s after the first"
+    rest = [h for h in hosts[1:] if h is not second]
+    took = regrouped(job, rest, at, "two moves within a second")
+    assert new_holder(job, second, rest) in rest
+    no_restart_spent(job)
+    finish(job, rest)
+    print(f"c10d store moved twice {gap:.2f}s apart: the rest ran again after {took:.2f}s")
