@@ -14,10 +14,15 @@ survivor's worker starting in a new 2-node round, on the hosts' shared clock, wi
 "never: job failed" (the survivors' agents exited), "hung" (their workers stopped
 finishing collectives), or "never" (they train on in the old world).
 
+The c10d store's own faults (``store-twice``, ``store-twice-fast``, ``store-regroup``,
+``store-replace``; ``FAULTS`` says what each does) run on c10d only (ours and torchrun),
+on 4 hosts (3 for ``store-replace``); their cell gives the time from each preemption (or
+from the replacement's start) to the nodes left training together, "a / b s".
+
 Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
 5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
 
-    python bench/faults.py [--faults sigterm,sigkill,cut,store-sigterm,store-sigkill,two-sigterm]
+    python bench/faults.py [--faults sigterm,sigkill,cut,store-sigterm,store-twice,...]
                            [--impls torchrun,c10d,etcd-v3,etcd-v2,etcd] [--bound 45]
                            [--repeat 1] [--json out.json] [--keep DIR]
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -37,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.testing.benchmarking import in_scratch_dir
-from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import FaultJob, serve_rendezvous
+from elastic.testing.cluster import Cluster, Host, cluster_available
+from elastic.testing.multihost import C10D_PORT, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 IMPLS = {  # column -> (launcher, backend)
@@ -57,7 +63,15 @@ FAULTS = {
     "store-sigkill": "the c10d store's host crashed (node 0 SIGKILLed)",
     "two-sigterm": "two of 4 nodes preempted 0.5 s apart",
     "term-kill": "one of 4 preempted, another crashed 0.5 s later (last call 30 s)",
+    "store-twice": "the c10d store's host preempted, then the node that took the store "
+    "(4 nodes; each time from that preemption)",
+    "store-twice-fast": "the same, the second preemption 10 ms after the store moved",
+    "store-regroup": "a member preempted, the c10d store's host 0.3 s later (4 nodes)",
+    "store-replace": "the c10d store's host preempted, then an agent started again there "
+    "(--nnodes=1:3, three candidate endpoints): from that start to a world of 3",
 }
+# The c10d store's own faults, run only where a c10d store exists (``run_store_case``).
+STORE_FAULTS = {"store-twice", "store-twice-fast", "store-regroup", "store-replace"}
 # Faults whose point is what the last call costs: run at the default (30 s), not 1 s.
 DEFAULT_LAST_CALL = {"term-kill"}
 FORM_TIMEOUT = 120.0
@@ -65,6 +79,10 @@ FORM_TIMEOUT = 120.0
 
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
+    if fault in STORE_FAULTS:
+        if backend != "c10d":
+            return {"result": "-"}
+        return run_store_case(launcher, fault, bound, workdir)
     size = 4 if fault in ("two-sigterm", "term-kill") else 3
     with Cluster(size if backend == "c10d" else size + 1) as cluster:
         nodes, endpoint = serve_rendezvous(cluster, backend, workdir, size)
@@ -131,6 +149,96 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
             out["result"] = f"hung ({bound:.0f} s)" if stalled else f"never ({bound:.0f} s)"
         out["logs"] = job.texts()
         return out
+
+
+def run_store_case(launcher: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
+    """``STORE_FAULTS``: seconds from each preemption (or the replacement's start) to the
+    nodes left training together, "never ..." when they did not within ``bound``."""
+    size = 3 if fault == "store-replace" else 4
+    with Cluster(size) as cluster:
+        nodes = list(cluster.hosts)
+        # torchrun takes one endpoint: its replacement meets a new store there.
+        several = fault == "store-replace" and launcher == "ours"
+        endpoints = nodes if several else nodes[:1]
+        job = FaultJob(
+            cluster,
+            workdir / "job",
+            "c10d",
+            ",".join(f"{h.name}:{C10D_PORT}" for h in endpoints),
+            launcher=launcher,
+            nnodes="1:3" if fault == "store-replace" else f"2:{size}",
+            conf={"last_call_timeout": 1},
+            args=["--max-restarts=3"],
+            gloo=True,
+            env={"RES_OPTIONS": "timeout:1 attempts:1"},
+        )
+        if not job.start_together(nodes, FORM_TIMEOUT):
+            return {"result": "did not form", "logs": job.texts()}
+        wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
+        time.sleep(2.0)
+        times: list[float] = []
+
+        def preempt(host: Host) -> float:
+            os.kill(job.nodes[host.name].proc.pid, signal.SIGTERM)
+            return time.time()
+
+        def train(hosts: list[Host], since: float) -> bool:
+            agents = [job.nodes[h.name].proc for h in hosts]
+            wait_until(
+                lambda: (
+                    job.running_together(hosts, since) or any(p.poll() is not None for p in agents)
+                ),
+                bound,
+                interval=0.1,
+            )
+            if not job.running_together(hosts, since):
+                return False
+            times.append(round(job.regroup_time(hosts, since), 2))
+            return True
+
+        rest = nodes[1:]
+        if fault == "store-regroup":
+            at = preempt(nodes[3])
+            time.sleep(0.3)
+            preempt(nodes[0])
+            ok = train(nodes[1:3], at)
+        else:
+            at = preempt(nodes[0])
+            fast = fault == "store-twice-fast"
+            if fast:  # the second preemption as soon as the store moved
+                ok = wait_until(lambda: handed_to(job, nodes[0], rest) is not None, 10, 0.01)
+                time.sleep(0.01)
+            else:
+                ok = train(rest, at)
+            second = handed_to(job, nodes[0], rest)
+            if ok and fault == "store-replace":
+                again = time.time()
+                job.start(nodes[0])
+                ok = train(nodes, again)
+            elif ok and second is not None:
+                at2 = preempt(second)
+                ok = train([h for h in rest if h is not second], at if fast else at2)
+            else:
+                ok = False
+        out: dict[str, Any] = {"times": times, "logs": job.texts()}
+        if ok:
+            out["seconds"] = times[-1]
+            out["restart"] = max(r["restart"] for r in job.starts())
+            out["result"] = " / ".join(f"{t:.2f} s" for t in times) + (
+                f" (restart {out['restart']})" if out["restart"] else ""
+            )
+        else:
+            codes = [job.nodes[h.name].proc.poll() for h in nodes]
+            out["result"] = f"never ({bound:.0f} s; exit codes {codes})"
+        return out
+
+
+def handed_to(job: FaultJob, left: Host, hosts: list[Host]) -> Host | None:
+    """Whom ``left``'s agent said it handed the c10d store to (None: not said)."""
+    found = re.search(
+        r"handed the c10d rendezvous store over to (\S+?):\d+;", job.nodes[left.name].text()
+    )
+    return next((h for h in hosts if found and found[1] in (h.name, h.addr)), None)
 
 
 def main() -> None:
