@@ -233,8 +233,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
                 "leaves, the store moves to another member, and nodes that join after that "
-                "cannot find it there (name more candidate hosts, --rdzv-endpoint="
-                "h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
+                "(a replacement on this host too) cannot find it there (name more candidate "
+                "hosts, --rdzv-endpoint=h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
             )
         return True
 
