@@ -311,3 +311,34 @@ def test_a_candidate_receiving_the_store_keeps_the_first_endpoint_closed() -> No
     finally:
         receiving.close()
         other_run.close()
+
+
+def test_a_handover_that_never_ends_is_a_lost_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender died mid-copy: its successor stays marked receiving, is waited for
+    ``HANDOVER_WAIT`` and never used; the store is then lost, said as such (the agent's
+    one line), not taken for a partition."""
+    from elastic.plugins.rdzv_c10d import succession
+
+    monkeypatch.setattr(succession, "HANDOVER_WAIT", 1.0)
+    stuck = TCPStoreServer(
+        "127.0.0.1",
+        0,
+        data={wire_key(STANDBY_KEY): b"receiving gone", wire_key(identity_key("job")): b"1 n"},
+    )
+    old = TCPStoreServer("127.0.0.1", 0, data={wire_key(identity_key("job")): b"0 a"})
+    mine = Succession("job", [("127.0.0.1", old.port)], None)
+    mine.successors = [("127.0.0.1", stuck.port)]
+    mine.learn(b"0 a")
+    conn = Connection("127.0.0.1", old.port, 5.0, gone_hint="HINT")
+    conn.locator = mine
+    try:
+        conn.call("check", ["x"])
+        old.close()  # its host died after marking the successor
+        started = time.monotonic()
+        with pytest.raises(RendezvousStoreGoneError, match="HINT"):
+            conn.call("check", ["x"])
+        assert 1.0 <= time.monotonic() - started < 5.0
+        assert conn.where == f"127.0.0.1:{old.port}"  # never moved to the half copy
+    finally:
+        conn.close()
+        stuck.close()
