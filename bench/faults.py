@@ -276,10 +276,14 @@ def main() -> None:
         cells = []
         for impl in impls:
             runs = [r for r in results if r["impl"] == impl and r["fault"] == fault]
-            times = [r["seconds"] for r in runs if "seconds" in r]
-            if len(times) == len(runs) and len(runs) > 1:
+            done = [r for r in runs if "seconds" in r]
+            if len(done) == len(runs) and len(runs) > 1:
                 restarts = max(r["restart"] for r in runs)
-                cell = f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
+                # One column per timed step (the store's faults time each preemption).
+                steps = zip(*(r.get("times", [r["seconds"]]) for r in done), strict=False)
+                cell = " / ".join(
+                    f"{statistics.median(t):.2f} s [{min(t):.2f}-{max(t):.2f}]" for t in steps
+                )
                 cells.append(cell + (f" (restart {restarts})" if restarts else ""))
             else:
                 cells.append("; ".join(r["result"] for r in runs))
