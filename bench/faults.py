@@ -229,7 +229,12 @@ def run_store_case(launcher: str, fault: str, bound: float, workdir: Path) -> di
             )
         else:
             codes = [job.nodes[h.name].proc.poll() for h in nodes]
-            out["result"] = f"never ({bound:.0f} s; exit codes {codes})"
+            ended = any(c is not None for h, c in zip(nodes, codes, strict=True) if h in rest)
+            out["result"] = (
+                f"never: a survivor exited (exit codes {codes})"
+                if ended
+                else f"never ({bound:.0f} s)"
+            )
         return out
 
 
