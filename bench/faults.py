@@ -196,12 +196,13 @@ def run_store_case(launcher: str, fault: str, bound: float, workdir: Path) -> di
             times.append(round(job.regroup_time(hosts, since), 2))
             return True
 
-        rest = nodes[1:]
+        rest = nodes[1:]  # whoever is left training at the end
         if fault == "store-regroup":
             at = preempt(nodes[3])
             time.sleep(0.3)
             preempt(nodes[0])
-            ok = train(nodes[1:3], at)
+            rest = nodes[1:3]
+            ok = train(rest, at)
         else:
             at = preempt(nodes[0])
             fast = fault == "store-twice-fast"
@@ -214,10 +215,12 @@ def run_store_case(launcher: str, fault: str, bound: float, workdir: Path) -> di
             if ok and fault == "store-replace":
                 again = time.time()
                 job.start(nodes[0])
-                ok = train(nodes, again)
+                rest = nodes
+                ok = train(rest, again)
             elif ok and second is not None:
                 at2 = preempt(second)
-                ok = train([h for h in rest if h is not second], at if fast else at2)
+                rest = [h for h in rest if h is not second]
+                ok = train(rest, at if fast else at2)
             else:
                 ok = False
         out: dict[str, Any] = {"times": times, "logs": job.texts()}
