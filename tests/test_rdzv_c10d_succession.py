@@ -342,3 +342,38 @@ def test_a_handover_that_never_ends_is_a_lost_store(monkeypatch: pytest.MonkeyPa
     finally:
         conn.close()
         stuck.close()
+
+
+def test_a_moved_store_is_taken_only_with_the_run_s_identity_and_the_newest() -> None:
+    """Among the successors: another run's store and an older one of this run are never
+    taken; of this run's, the highest generation is; the same generation under another
+    nonce (a second store that named itself alike) is refused."""
+    key = wire_key(identity_key("job"))
+    servers = {
+        "other run": TCPStoreServer("127.0.0.1", 0, data={wire_key(identity_key("x")): b"9 z"}),
+        "older": TCPStoreServer("127.0.0.1", 0, data={key: b"1 a"}),
+        "newest": TCPStoreServer("127.0.0.1", 0, data={key: b"3 c"}),
+        "newer": TCPStoreServer("127.0.0.1", 0, data={key: b"2 b"}),
+    }
+    gone = TCPStoreServer("127.0.0.1", 0)
+    conn = Connection("127.0.0.1", gone.port, 5.0)
+    try:
+        mine = Succession("job", [("127.0.0.1", 1)], None)
+        mine.successors = [("127.0.0.1", s.port) for s in servers.values()]
+        mine.learn(b"2 b")
+        found = mine.find(conn)
+        assert found is not None
+        assert found[1] == servers["newest"].port and mine.known == (3, "c")
+        found[2].close()
+        alike = TCPStoreServer("127.0.0.1", 0, data={key: b"3 other"})
+        mine.successors = [("127.0.0.1", alike.port), ("127.0.0.1", servers["older"].port)]
+        assert mine.find(conn) is None  # neither is the store this node knows
+        with TCPStoreClient("127.0.0.1", alike.port, 5.0) as client:
+            with pytest.raises(RendezvousStoreGoneError):
+                mine.accept(client)
+        alike.close()
+    finally:
+        conn.close()
+        gone.close()
+        for server in servers.values():
+            server.close()
