@@ -36,10 +36,12 @@ candidate endpoints; it serves only when none of them holds or receives this run
 The old holder closed its listener only after marking its successor, so if the new agent
 could listen, the mark is visible to it: a handover to a candidate endpoint is never
 missed. **The limit**: a store that moved to a standby on no candidate endpoint (none was
-named, or no member owns one) cannot be seen by an agent that never reached the run: a
-replacement on the first endpoint's host then opens a new store. The run's agents never
-accept it (another nonce); the replacement trains alone if ``--nnodes``' minimum allows.
-Name every host that may hold the store in ``--rdzv-endpoint=h0:p,h1:p,...``.
+named, or no member owns one) cannot be seen by an agent that was in no formed round of
+the run (it knows only the candidates): a joiner, or a standby of a full job, waits for it
+(``read_timeout``) and exits with one line; a replacement on the first endpoint's host
+opens a new store. The run's agents never accept that one (another nonce); the
+replacement trains alone if ``--nnodes``' minimum allows. Name every host that may hold
+the store in ``--rdzv-endpoint=h0:p,h1:p,...``.
 
 **Writes across a move.** A SET has no answer in TCPStore's protocol: on a store that can
 move, ``Connection`` follows it with a request that does answer (``view.py``), so a SET the
