@@ -18,11 +18,16 @@ cell also says how long before the survivors' first new worker started the cut-o
 node's workers had exited (process exit, polled every 10 ms: "gone N s before"; a
 negative N is two worlds at once).
 
+The c10d store's own faults (``store-twice``, ``store-twice-fast``, ``store-regroup``,
+``store-replace``; ``FAULTS`` says what each does) run on c10d only (ours and torchrun),
+on 4 hosts (3 for ``store-replace``); their cell gives the time from each preemption (or
+from the replacement's start) to the nodes left training together, "a / b s".
+
 Both launchers run with their default liveness settings (ours: heartbeat 1 s, timeout
 5 s) and ``last_call_timeout=1``, and with ``RES_OPTIONS="timeout:1 attempts:1"``.
 
     python bench/faults.py [--faults sigterm,sigkill,sigkill-early,cut,store-sigterm,
-                                     store-sigkill,two-sigterm,term-kill]
+                                     store-sigkill,two-sigterm,term-kill,store-twice,...]
                            [--impls torchrun,c10d,etcd-v3,etcd-v2,etcd] [--bound 45]
                            [--repeat 1] [--json out.json] [--keep DIR]
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -42,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.testing.benchmarking import in_scratch_dir
-from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.multihost import ExitWatch, FaultJob, serve_rendezvous
+from elastic.testing.cluster import Cluster, Host, cluster_available
+from elastic.testing.multihost import C10D_PORT, ExitWatch, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 IMPLS = {  # column -> (launcher, backend)
@@ -63,7 +69,15 @@ FAULTS = {
     "store-sigkill": "the c10d store's host crashed (node 0 SIGKILLed)",
     "two-sigterm": "two of 4 nodes preempted 0.5 s apart",
     "term-kill": "one of 4 preempted, another crashed 0.5 s later (last call 30 s)",
+    "store-twice": "the c10d store's host preempted, then the node that took the store "
+    "(4 nodes; each time from that preemption)",
+    "store-twice-fast": "the same, the second preemption 10 ms after the store moved",
+    "store-regroup": "a member preempted, the c10d store's host 0.3 s later (4 nodes)",
+    "store-replace": "the c10d store's host preempted, then an agent started again there "
+    "(--nnodes=1:3, three candidate endpoints): from that start to a world of 3",
 }
+# The c10d store's own faults, run only where a c10d store exists (``run_store_case``).
+STORE_FAULTS = {"store-twice", "store-twice-fast", "store-regroup", "store-replace"}
 # Faults whose point is what the last call costs: run at the default (30 s), not 1 s.
 DEFAULT_LAST_CALL = {"term-kill"}
 FORM_TIMEOUT = 120.0
@@ -71,6 +85,10 @@ FORM_TIMEOUT = 120.0
 
 def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
     launcher, backend = IMPLS[impl]
+    if fault in STORE_FAULTS:
+        if backend != "c10d":
+            return {"result": "-"}
+        return run_store_case(launcher, fault, bound, workdir)
     size = 4 if fault in ("two-sigterm", "term-kill") else 3
     with Cluster(size if backend == "c10d" else size + 1) as cluster:
         nodes, endpoint = serve_rendezvous(cluster, backend, workdir, size)
@@ -155,6 +173,104 @@ def run_case(impl: str, fault: str, bound: float, workdir: Path) -> dict[str, An
         return out
 
 
+def run_store_case(launcher: str, fault: str, bound: float, workdir: Path) -> dict[str, Any]:
+    """``STORE_FAULTS``: seconds from each preemption (or the replacement's start) to the
+    nodes left training together, "never ..." when they did not within ``bound``."""
+    size = 3 if fault == "store-replace" else 4
+    with Cluster(size) as cluster:
+        nodes = list(cluster.hosts)
+        # torchrun takes one endpoint: its replacement meets a new store there.
+        several = fault == "store-replace" and launcher == "ours"
+        endpoints = nodes if several else nodes[:1]
+        job = FaultJob(
+            cluster,
+            workdir / "job",
+            "c10d",
+            ",".join(f"{h.name}:{C10D_PORT}" for h in endpoints),
+            launcher=launcher,
+            nnodes="1:3" if fault == "store-replace" else f"2:{size}",
+            conf={"last_call_timeout": 1},
+            args=["--max-restarts=3"],
+            gloo=True,
+            env={"RES_OPTIONS": "timeout:1 attempts:1"},
+        )
+        if not job.start_together(nodes, FORM_TIMEOUT):
+            return {"result": "did not form", "logs": job.texts()}
+        wait_until(lambda: all(job.progressed_at(r) for r in map(job.latest, nodes) if r), 60)
+        time.sleep(2.0)
+        times: list[float] = []
+
+        def preempt(host: Host) -> float:
+            os.kill(job.nodes[host.name].proc.pid, signal.SIGTERM)
+            return time.time()
+
+        def train(hosts: list[Host], since: float) -> bool:
+            agents = [job.nodes[h.name].proc for h in hosts]
+            wait_until(
+                lambda: (
+                    job.running_together(hosts, since) or any(p.poll() is not None for p in agents)
+                ),
+                bound,
+                interval=0.1,
+            )
+            if not job.running_together(hosts, since):
+                return False
+            times.append(round(job.regroup_time(hosts, since), 2))
+            return True
+
+        rest = nodes[1:]  # whoever is left training at the end
+        if fault == "store-regroup":
+            at = preempt(nodes[3])
+            time.sleep(0.3)
+            preempt(nodes[0])
+            rest = nodes[1:3]
+            ok = train(rest, at)
+        else:
+            at = preempt(nodes[0])
+            fast = fault == "store-twice-fast"
+            if fast:  # the second preemption as soon as the store moved
+                ok = wait_until(lambda: handed_to(job, nodes[0], rest) is not None, 10, 0.01)
+                time.sleep(0.01)
+            else:
+                ok = train(rest, at)
+            second = handed_to(job, nodes[0], rest)
+            if ok and fault == "store-replace":
+                again = time.time()
+                job.start(nodes[0])
+                rest = nodes
+                ok = train(rest, again)
+            elif ok and second is not None:
+                at2 = preempt(second)
+                rest = [h for h in rest if h is not second]
+                ok = train(rest, at if fast else at2)
+            else:
+                ok = False
+        out: dict[str, Any] = {"times": times, "logs": job.texts()}
+        if ok:
+            out["seconds"] = times[-1]
+            out["restart"] = max(r["restart"] for r in job.starts())
+            out["result"] = " / ".join(f"{t:.2f} s" for t in times) + (
+                f" (restart {out['restart']})" if out["restart"] else ""
+            )
+        else:
+            codes = [job.nodes[h.name].proc.poll() for h in nodes]
+            ended = any(c is not None for h, c in zip(nodes, codes, strict=True) if h in rest)
+            out["result"] = (
+                f"never: a survivor exited (exit codes {codes})"
+                if ended
+                else f"never ({bound:.0f} s)"
+            )
+        return out
+
+
+def handed_to(job: FaultJob, left: Host, hosts: list[Host]) -> Host | None:
+    """Whom ``left``'s agent said it handed the c10d store to (None: not said)."""
+    found = re.search(
+        r"handed the c10d rendezvous store over to (\S+?):\d+;", job.nodes[left.name].text()
+    )
+    return next((h for h in hosts if found and found[1] in (h.name, h.addr)), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--faults", default=",".join(FAULTS))
@@ -190,10 +306,14 @@ def main() -> None:
         cells = []
         for impl in impls:
             runs = [r for r in results if r["impl"] == impl and r["fault"] == fault]
-            times = [r["seconds"] for r in runs if "seconds" in r]
-            if len(times) == len(runs) and len(runs) > 1:
+            done = [r for r in runs if "seconds" in r]
+            if len(done) == len(runs) and len(runs) > 1:
                 restarts = max(r["restart"] for r in runs)
-                cell = f"{statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}]"
+                # One column per timed step (the store's faults time each preemption).
+                steps = zip(*(r.get("times", [r["seconds"]]) for r in done), strict=False)
+                cell = " / ".join(
+                    f"{statistics.median(t):.2f} s [{min(t):.2f}-{max(t):.2f}]" for t in steps
+                )
                 cell += f" (restart {restarts})" if restarts else ""
                 gaps = [r["fence_gap"] for r in runs if "fence_gap" in r]
                 cells.append(cell + (f"; gone >= {min(gaps):.2f} s before" if gaps else ""))

@@ -4,49 +4,36 @@ key prefix: what the c10d and static backends (and ``elastic status``) use."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from elastic.core.interfaces.coordination import Tick
 from elastic.core.interfaces.rendezvous import (
-    RendezvousAuthError,
     RendezvousConnectionError,
     RendezvousStoreGoneError,
 )
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
 
-# Set on a store that an agent keeps ready to take the job's over (c10d's handover):
-# ``IDLE`` while it only waits, ``RECEIVING`` while a leaving host copies the job's keys
-# into it (set before that host stops serving), gone once it is the job's store.
-STANDBY_KEY = "elastic/standby"
-IDLE, RECEIVING = b"idle", b"receiving"
 # Operations that may be sent again after the store moved: repeating them changes nothing.
 # ``add`` is not (a counter would count twice); its caller sees the connection error.
 REPEATABLE = frozenset({"set", "get", "check", "multi_get", "multi_set", "compare_set"})
-# How long a handover in progress (a standby ``RECEIVING``) is waited for: copying the
-# keys takes milliseconds for small jobs, about a second for a thousand nodes.
-HANDOVER_WAIT = 10.0
+# Operations that get no answer in TCPStore's protocol: on a store that can move, each is
+# followed by one that does (see ``Connection.call``).
+UNANSWERED = frozenset({"set", "multi_set"})
 
 
-def standby_mark(
-    host: str, port: int, timeout: float, token: bytes | None = None
-) -> tuple[bytes, TCPStoreClient] | None:
-    """(its ``STANDBY_KEY`` value, a client connected to it) for the store at host:port;
-    ``b""``: a job's live store. None when nothing answers there, or what answers cannot
-    prove the job's token (never torch's server: a store moves only to one of ours)."""
-    try:
-        client = TCPStoreClient(host, port, timeout, token=token)
-    except (RendezvousConnectionError, RendezvousAuthError):
-        return None
-    try:
-        (mark,) = client.multi_get([STANDBY_KEY], False)
-    except RendezvousConnectionError:
-        client.close()
-        return None
-    return mark, client
+class Locator(Protocol):
+    """Where a store that can move is (c10d's succession policy, in its plugin)."""
+
+    def accept(self, client: TCPStoreClient) -> None:
+        """Raise ``RendezvousConnectionError`` unless ``client`` reached the job's store
+        (asked of every connection made after the first)."""
+
+    def find(self, conn: Connection) -> tuple[str, int, TCPStoreClient] | None:
+        """After ``conn``'s store stopped answering: (host, port, a client) of the store
+        it moved to, or None when it did not move."""
 
 
 class Connection:
@@ -72,10 +59,8 @@ class Connection:
         self.host, self.port, self.timeout = host, port, timeout
         self.token = token  # proved to the server on every connection (client.py)
         self.torch_ok = torch_ok  # with a token: torch's server is accepted (client.py)
-        # Where the store may have moved to (c10d's handover), tried in order when this
-        # one stops answering; empty: the store cannot move. Read only then, so it may be
-        # a sequence that works its entries out on first use (c10d: the round's standbys).
-        self.successors: Sequence[tuple[str, int]] = []
+        # Where the store is when it can move (c10d's handover); None: it cannot.
+        self.locator: Locator | None = None
         self.gone_hint = gone_hint
         self.where = f"{host}:{port}"
         self._client: TCPStoreClient | None = None
@@ -101,46 +86,60 @@ class Connection:
                 self._client.close()
                 self._client = None
             if self._client is None:
-                self._client = TCPStoreClient(
-                    self.host, self.port, self.timeout, token=self.token, torch_ok=self.torch_ok
-                )
+                self._client = self._connect()
             return self._client
+
+    def _connect(self) -> TCPStoreClient:
+        client = TCPStoreClient(
+            self.host, self.port, self.timeout, token=self.token, torch_ok=self.torch_ok
+        )
+        if self.locator is not None:
+            try:
+                self.locator.accept(client)
+            except BaseException:
+                client.close()
+                raise
+        return client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def call(self, op: str, *args: Any) -> Any:
         try:
-            client = self._current()
-            return getattr(client, op)(*args)
+            return self._apply(self._current(), op, args)
         except RendezvousConnectionError as exc:
             self.reset()
             if not self.find_moved_store():
                 raise self._final(exc) from None
             if op not in REPEATABLE:
-                raise
-            return getattr(self._current(), op)(*args)
+                # Applied or not: nobody can tell. Not final (the store is there): the
+                # caller's retry path, not its "store gone" path, takes it.
+                raise RendezvousConnectionError(
+                    f"the store moved to {self.where} during a {op.upper()}, whose outcome "
+                    f"is unknown: {exc}"
+                ) from None
+            return self._apply(self._current(), op, args)
+
+    def _apply(self, client: TCPStoreClient, op: str, args: tuple[Any, ...]) -> Any:
+        result = getattr(client, op)(*args)
+        if op in UNANSWERED and self.locator is not None:
+            # An answer to the request after it proves the server applied it (one
+            # connection's requests are applied in order): a store closed for a move
+            # before it read the SET fails this instead, and the SET goes to the new one.
+            client.num_keys()
+        return result
 
     def find_moved_store(self) -> bool:
-        """After this store stopped answering: look for it at its successors and switch
-        there. False at once when it did not move (no successors, or every one still an
-        idle standby: its host died), after ``HANDOVER_WAIT`` when a handover never ends."""
-        with self._lock:
-            candidates = [c for c in self.successors if c != (self.host, self.port)]
-        deadline = time.monotonic() + HANDOVER_WAIT
-        while candidates and time.monotonic() < deadline and not self._closed:
-            receiving = False
-            for host, port in candidates:
-                found = standby_mark(host, port, min(self.timeout, 2.0), self.token)
-                if found is None:
-                    continue
-                mark, client = found
-                if not mark:
-                    self._move_to(host, port, client)
-                    return True
-                client.close()
-                receiving = receiving or mark == RECEIVING
-            if not receiving:
-                return False
-            time.sleep(0.05)
-        return False
+        """After this store stopped answering: ask the locator where it went and switch
+        there; False when it did not move (or cannot)."""
+        if self.locator is None or self._closed:
+            return False
+        found = self.locator.find(self)
+        if found is None:
+            return False
+        self._move_to(*found)
+        return True
 
     def _move_to(self, host: str, port: int, client: TCPStoreClient) -> None:
         with self._lock:
@@ -189,9 +188,7 @@ class Connection:
             self._raise_if_closed()
             client = self._idle_waiters.pop() if self._idle_waiters else None
         if client is None:
-            client = TCPStoreClient(
-                self.host, self.port, self.timeout, token=self.token, torch_ok=self.torch_ok
-            )
+            client = self._connect()
         with self._lock:
             if self._closed:  # closed while this one connected
                 client.close()

@@ -1,29 +1,29 @@
 """``C10dRendezvousHandler``: the shared round over one TCPStore, which the agent whose
 machine owns the endpoint's address hosts.
 
-The store moves when its host leaves on notice (preemption, scale-in, Ctrl-C): every
-other agent keeps an empty standby store (marked with ``STANDBY_KEY``) and publishes its
-address in its join records; the leaving host writes its departure, stops serving, copies
-every key to the first standby of the round's members in rank order (the outcome names
-the first ``SUCCESSORS``) and removes that store's mark. The others' connections find it
-there (``Connection.find_moved_store``: the same standbys in the same order, skipping
-marked ones) and the job regroups
-without the host, spending no restart. A host that dies without notice takes the store
-with it (the others exit with one line); a late joiner knows only ``--rdzv-endpoint``, so
-it cannot find a store that moved.
+The store moves whenever the agent holding it leaves on notice (preemption, scale-in,
+Ctrl-C, its own failure), in any state: in a round, between rounds, during a regroup,
+while it is itself receiving the store. It writes its departure, stops serving, copies
+every key to the first standby that agrees (``succession.py``: candidate endpoints first,
+then the newest round's members in rank order, never a leaving one) and unmarks it. The
+others' connections find it there (``Succession.find``) and the job regroups without the
+holder, spending no restart; the new holder hands it on the same way when it leaves. A
+holder that dies without notice takes the store with it (the others exit with one line).
+A node that knows only ``--rdzv-endpoint`` finds a moved store only on a candidate
+endpoint (``succession.py``, "The limit").
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any
 
 from elastic.core.interfaces.rendezvous import (
-    RendezvousAuthError,
-    RendezvousConfigError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousParameters,
 )
 from elastic.core.log import say
@@ -31,16 +31,9 @@ from elastic.core.rendezvous import net
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.handler import RoundRendezvousHandler
 from elastic.core.rendezvous.round.settings import RoundSettings
-from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
+from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.client import TOKEN_HINT
-from elastic.core.tcpstore.view import (
-    IDLE,
-    RECEIVING,
-    STANDBY_KEY,
-    Connection,
-    PrefixStore,
-    standby_mark,
-)
+from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
     host_store,
@@ -48,6 +41,21 @@ from elastic.plugins.rdzv_c10d.store import (
     parse_endpoints,
     probe,
     try_listen,
+)
+from elastic.plugins.rdzv_c10d.succession import (
+    HANDOVER_WAIT,
+    IDLE,
+    LEAVING,
+    STANDBY_KEY,
+    Succession,
+    Successors,
+    copy_into,
+    mark_leaving,
+    new_identity,
+    next_generation,
+    offer,
+    order_successors,
+    wire_key,
 )
 
 log = logging.getLogger(__name__)
@@ -118,6 +126,12 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         # ``is_host=false``: the user runs the store, maybe torch's, which cannot prove the
         # token; accepted at the endpoint (never at a candidate the store moves to).
         self._torch_ok = is_host is False
+        # What this node's connections know of the store, shared (succession.py).
+        self._succession = Succession(params.run_id, self._candidates, self._token)
+        self._last: R.Assignment | None = None  # the newest round this node was in
+        self._own_mark = b""  # our standby's mark once we began to leave
+        self._handing = threading.Lock()  # one handover, whichever thread gets there
+        self._handed = False
         if not self._try_hosting():
             if is_host and not params.read_only:
                 raise RendezvousConnectionError(
@@ -141,12 +155,17 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         agent_conn = Connection(
             self.host, self.port, settings.read_timeout, GONE_HINT, settings.token, self._torch_ok
         )
-        agent_conn.successors = self._candidates[1:]  # where a moved store may be already
+        agent_conn.locator = self._succession  # a moved store may be found already
         self._conns = [agent_conn]  # closed by __init__ if anything below fails
+        key = self._succession.key
         if params.read_only:
             agent_conn.call("check", [prefix])
+            if agent_conn.call("check", [key]):
+                self._succession.learn(agent_conn.call("multi_get", [key], False)[0])
         else:
             first_contact(agent_conn, prefix, settings.read_timeout, self._try_hosting)
+            # The run's store identity: the first agent to reach a new store names it.
+            self._succession.learn(agent_conn.call("compare_set", key, "", new_identity(0)))
             agent_conn.open_waiter()
         monitor_store = lease_store = None
         addr = params.local_addr or net.route_address(self.host, self.port)
@@ -160,7 +179,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 conn = Connection(
                     host, port, settings.read_timeout, GONE_HINT, settings.token, self._torch_ok
                 )
-                conn.successors = self._candidates[1:]
+                conn.locator = self._succession
                 self._conns.append(conn)
                 conn.call("check", [prefix])
                 return PrefixStore(conn, prefix)
@@ -180,17 +199,6 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             lease_store,
         )
 
-    def _moved_elsewhere(self) -> bool:
-        """Whether another candidate endpoint serves a live store: the first endpoint's
-        host handed it over, and a new store there would split the job in two."""
-        for host, port in self._candidates[1:]:
-            found = standby_mark(host, port, 2.0, self._token)
-            if found is not None:
-                found[1].close()
-                if not found[0]:
-                    return True
-        return False
-
     def _keep_standby(self, addr: str) -> tuple[TCPStoreServer, str]:
         """An idle store ready to take the job's over, and its published address: on a
         candidate endpoint when this machine owns one (a joiner finds it there), else on
@@ -207,10 +215,16 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
     def _try_hosting(self) -> bool:
         """Host the store if this agent may and can listen on the endpoint: at start, and
         again whenever first contact finds nobody listening."""
-        if not self._may_host or self._server is not None or self._moved_elsewhere():
+        if not self._may_host or self._server is not None:
             return False
         sock = try_listen(self.host, self.port)
         if sock is None:
+            return False
+        # Listening first, then looking: a holder closes this address only after marking
+        # its successor, so a handover to a candidate endpoint is seen (succession.py).
+        if self._succession.serving_elsewhere():
+            sock.close()
+            self._may_host = False  # the run's store is elsewhere: never open one here
             return False
         self._server = host_store(sock, self._token)
         log.info("hosting the c10d rendezvous store on %s:%s", self.host, self.port)
@@ -224,8 +238,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
                 "leaves, the store moves to another member, and nodes that join after that "
-                "cannot find it there (name more candidate hosts, --rdzv-endpoint="
-                "h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
+                "(a replacement on this host too) cannot find it there (name more candidate "
+                "hosts, --rdzv-endpoint=h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
             )
         return True
 
@@ -244,40 +258,72 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         return standby is not None and not standby.holds(wire_key(STANDBY_KEY))
 
     def round_formed(self, asg: R.Assignment) -> None:
-        successors = Successors(self._candidates, asg.successors)
-        for conn in self._conns:
-            conn.successors = successors
+        self._last = asg
+        self._succession.successors = Successors(self._candidates, asg.successors)
 
     def leave(self) -> None:
+        if self._standby is not None and not self._own_mark:
+            # First: from now on no holder may choose us (or we learn that one did).
+            standby = parse_endpoint(str(self.protocol.node.get("standby")))
+            self._own_mark = mark_leaving(standby, self._token)
         super().leave()  # the departure is written first: it travels with the store
-        if self._server is not None and self._current is not None:
-            self._hand_over(self._current)
+        if not self.params.read_only:
+            self._pass_on()
 
-    def _hand_over(self, asg: R.Assignment) -> None:
-        """Copy every key to the first member's standby that takes it, then stop.
+    def _pass_on(self) -> None:
+        """Hand the store on if this node holds it, or is receiving it: once, whichever
+        of the leaving thread and ``after_shutdown`` gets here first."""
+        with self._handing:
+            if self._handed:
+                return
+            self._handed = True
+            held = self._held()
+            if held is not None:
+                self._hand_over(held)
 
-        The standby is told it is receiving before this store stops answering, so the
-        others' connections wait for it rather than take our closing for a death."""
-        mine = self.protocol.node.get("standby")
-        standbys = [s for s in asg.successors if s and s != mine]
-        # A candidate endpoint first: a node joining later finds the store there.
-        candidates = {net.join_host_port(h, p) for h, p in self._candidates}
-        standbys.sort(key=lambda s: s not in candidates)
-        data: dict[bytes, bytes] | None = None  # taken when the first standby answers
-        for standby in standbys:
-            host, port = parse_endpoint(standby)
+    def _held(self) -> TCPStoreServer | None:
+        """The job's store if this node holds it, waiting (up to ``HANDOVER_WAIT``) for
+        one it is receiving; None when it holds none."""
+        if self._server is not None:
+            return self._server
+        standby = self._standby
+        if standby is None or self._own_mark in (b"", LEAVING):
+            return None  # not a standby, or marked leaving before anyone chose it
+        deadline = time.monotonic() + HANDOVER_WAIT
+        while standby.holds(wire_key(STANDBY_KEY)) and time.monotonic() < deadline:
+            time.sleep(0.02)  # receiving (or IDLE: it holds the store already)
+        return None if standby.holds(wire_key(STANDBY_KEY)) else standby
+
+    def _offers(self) -> list[str]:
+        """Whom to offer the store: the candidate endpoints, the newest formed round's
+        standbys as the store says (this node may have missed rounds), then our own last
+        round's."""
+        standbys = [net.join_host_port(h, p) for h, p in self._candidates[1:]]
+        try:
+            newest = self.protocol.last_formed(self.protocol.current_round())
+            if newest is not None:
+                standbys += newest.successors
+        except RendezvousError as exc:
+            log.warning("c10d rendezvous: cannot read the newest round's standbys: %s", exc)
+        standbys += self._last.successors if self._last is not None else []
+        mine = str(self.protocol.node.get("standby") or "")
+        return order_successors(standbys, self._candidates, mine)
+
+    def _hand_over(self, server: TCPStoreServer) -> None:
+        """Copy every key, one generation on, to the first standby that agrees, then stop.
+
+        The standby is marked receiving before this store stops answering, so the others'
+        connections wait for it rather than take our closing for a death."""
+        data: dict[bytes, bytes] | None = None  # taken when the first standby agrees
+        for standby in self._offers():
+            client = offer(standby, self.node_id, self.settings.read_timeout, self._token)
+            if client is None:
+                continue
             try:
-                client = TCPStoreClient(host, port, self.settings.read_timeout, token=self._token)
-            except (RendezvousConnectionError, RendezvousAuthError):
-                continue  # nothing there, or nothing that proves the token: not ours
-            try:
-                client.set(STANDBY_KEY, RECEIVING)
                 if data is None:
-                    data = self._server.close_and_take()
-                    self._server = None
-                for chunk in _chunks(data):
-                    client.multi_set([k for k, _ in chunk], [v for _, v in chunk])
-                client.delete_key(STANDBY_KEY)  # last: now it is the job's store
+                    data = next_generation(server.close_and_take(), self.run_id)
+                    self._server = self._standby = None
+                copy_into(client, data)
             except RendezvousConnectionError as exc:
                 log.warning("c10d rendezvous: could not hand the store to %s: %s", standby, exc)
                 continue
@@ -285,9 +331,20 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 client.close()
             say(f"elastic: handed the c10d rendezvous store over to {standby}; leaving")
             return
-        log.warning("c10d rendezvous: no member took the store over; the job loses it")
+        if data is None:
+            log.warning(
+                "c10d rendezvous: no member could take the store over; it serves until "
+                "close_timeout=%gs",
+                self.settings.close_timeout,
+            )
+        else:
+            say("elastic: no member took the c10d rendezvous store over; the job loses it")
 
     def after_shutdown(self) -> None:
+        if self._left:
+            self._pass_on()  # done by now, unless the leaving thread was given up on
+        with self._handing:  # a handover on another thread ends first
+            pass
         if self._took_over():  # serve as the host we became, below
             self._server, self._standby = self._standby, None
         if self._standby is not None:
@@ -308,59 +365,3 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                     self._server.clients,
                 )
             self._stop_hosting()
-
-
-class Successors(Sequence[tuple[str, int]]):
-    """Where the store may have moved: the candidate endpoints, then the round's first
-    standbys in rank order (``Assignment.successors``). Worked out on first use, when a
-    connection looks for a moved store: nobody parses them while the store stays put."""
-
-    def __init__(self, candidates: list[tuple[str, int]], standbys: list[str]) -> None:
-        self._candidates, self._standbys = candidates, standbys
-        self._endpoints: list[tuple[str, int]] | None = None
-
-    def _all(self) -> list[tuple[str, int]]:
-        if self._endpoints is None:  # two threads may both parse: the same result
-            parsed = []
-            for standby in self._standbys if isinstance(self._standbys, list) else []:
-                if not isinstance(standby, str):
-                    continue
-                try:
-                    parsed.append(parse_endpoint(standby))
-                except RendezvousConfigError:  # "" (none), or not an endpoint: skipped
-                    continue
-            self._endpoints = list(dict.fromkeys([*self._candidates, *parsed]))
-        return self._endpoints
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[str, int]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[tuple[str, int]]: ...
-    def __getitem__(self, index: int | slice) -> tuple[str, int] | Sequence[tuple[str, int]]:
-        return self._all()[index]
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-
-CHUNK_BYTES = 4 << 20  # per MULTI_SET of a handover, well under a request's 64 MiB cap
-
-
-def _chunks(data: dict[bytes, bytes]) -> list[list[tuple[str, bytes]]]:
-    """The store's keys as a client names them (without the wire's prefix, which the
-    client adds again), in MULTI_SETs of at most about ``CHUNK_BYTES``."""
-    chunks: list[list[tuple[str, bytes]]] = [[]]
-    size = 0
-    for raw, value in data.items():
-        key = raw.decode("utf-8", "surrogateescape").removeprefix(wire.KEY_PREFIX)
-        if chunks[-1] and size + len(raw) + len(value) > CHUNK_BYTES:
-            chunks.append([])
-            size = 0
-        chunks[-1].append((key, value))
-        size += len(raw) + len(value)
-    return chunks
-
-
-def wire_key(key: str) -> bytes:
-    """``key`` as a server holds it (what a client sends for it)."""
-    return (wire.KEY_PREFIX + key).encode()
