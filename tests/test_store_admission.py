@@ -19,7 +19,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, admission, client, limits, wire
-from elastic.core.tcpstore.view import standby_mark
+from elastic.plugins.rdzv_c10d.succession import Succession
 
 HOST = "127.0.0.1"
 TOKEN = b"the-job-token-of-32-bytes-or-so!"
@@ -202,7 +202,8 @@ def test_a_squatter_gets_nothing_and_downgrades_nothing(
             assert not isinstance(raised.value, RendezvousStoreGoneError)
         assert where not in client._TORCH_SERVED  # never taken for torch's, unasked
         assert squatter.after_hello == b""  # not even a proof over its challenge
-        assert standby_mark(HOST, squatter.port, 0.5, TOKEN) is None  # never moved to
+        # never moved to: the succession's probe finds nothing of the run there
+        assert Succession("job", [(HOST, 1)], TOKEN).probe(HOST, squatter.port) is None
     finally:
         squatter.close()
 
