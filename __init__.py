@@ -35,6 +35,7 @@ _LAZY = {
     "checkpoint_saved": "elastic.training.preemption:checkpoint_saved",
     "membership_changed": "elastic.training.regroup:membership_changed",
     "regroup": "elastic.training.regroup:regroup",
+    "tenured_rank": "elastic.training.tenure:tenured_rank",
     # torch's programmatic API (torch.distributed.launcher.api and .elastic)
     "LaunchConfig": "elastic.core.launch.config:LaunchConfig",
     "elastic_launch": "elastic.api:elastic_launch",

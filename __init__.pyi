@@ -33,6 +33,7 @@ from elastic.training.preemption import checkpoint_saved as checkpoint_saved
 from elastic.training.regroup import membership_changed as membership_changed
 from elastic.training.regroup import regroup as regroup
 from elastic.training.state import State as State
+from elastic.training.tenure import tenured_rank as tenured_rank
 
 __version__: str
 

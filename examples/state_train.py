@@ -4,12 +4,14 @@
         examples/state_train.py --out /tmp/params.json
 
 ``TrainState`` knows how to snapshot itself (rollback of a failed step, and the default
-checkpoint format) and how to ``sync``: the rank with the most recent state (the highest
-step, the "most tenured") broadcasts it, so workers that start without a checkpoint on
-their disk catch up. ``elastic.train`` loads the newest checkpoint at every start,
-calls ``sync``, then runs ``train_step`` until it returns True. Under ``elastic run`` a
-node leaving or joining does not restart these workers: ``elastic.train`` re-forms the
-process group in the new round and calls ``sync`` again (the new workers catch up).
+checkpoint format) and how to ``sync``: the rank ``elastic.tenured_rank()`` names (the
+most recent state: the highest step, the lowest rank on ties) broadcasts it, so workers
+that start without a checkpoint on their disk catch up; ``elastic.train`` goes on from
+that rank's step and checks that every rank then holds its state. ``elastic.train``
+loads the newest checkpoint at every start, calls ``sync``, then runs ``train_step``
+until it returns True. Under ``elastic run`` a node leaving or joining does not restart
+these workers: ``elastic.train`` re-forms the process group in the new round and calls
+``sync`` again (the new workers catch up).
 """
 
 from __future__ import annotations
@@ -50,10 +52,7 @@ class TrainState(elastic.State):
     def sync(self, world_size: int, rank: int) -> None:
         if world_size == 1 or not dist.is_initialized():
             return
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-        dist.all_gather(steps, torch.tensor([self.step]))
-        # The most tenured rank (highest step; lowest rank on ties) is the source.
-        source = max(range(world_size), key=lambda r: (int(steps[r]), -r))
+        source = elastic.tenured_rank()  # the job goes on from its step number
         box = [self.capture_snapshot() if rank == source else None]
         dist.broadcast_object_list(box, src=source)
         if rank != source:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -15,6 +16,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # How the default group was made here, so a regroup re-creates it alike.
 _made: dict[str, Any] = {}
+_exit_hook: list[bool] = []  # registered once per process
 
 
 def default_backend() -> str:
@@ -63,6 +65,7 @@ def init_process_group(
     control.set_mine(READY, 1)
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
     _made.update(backend=backend, timeout=timeout, kwargs=kwargs)
+    _leave_at_exit()
     return backend
 
 
@@ -97,7 +100,21 @@ def rejoin_group() -> str:
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
     )
+    _leave_at_exit()
     return backend
+
+
+def _leave_at_exit() -> None:
+    """Tear the default group down before the interpreter finalizes, once per process.
+
+    A group still alive at exit (a script that ends without destroy_process_group) is
+    otherwise destroyed during finalization, where its gloo threads may need the GIL:
+    that aborts the worker (SIGABRT, "terminate called without an active exception")
+    after a successful run, seen in workers that regrouped in place. atexit handlers run
+    while every thread can still take the GIL."""
+    if not _exit_hook:
+        _exit_hook.append(True)
+        atexit.register(leave_group)
 
 
 def _wait_for_store(limit: float) -> None:

@@ -4,7 +4,10 @@ The contract: ``train_step(state)`` does one unit of work (typically one mini-ba
 returns True when training is done, anything falsy to go on.
 
 A process start loads the newest checkpoint, if any, and calls ``state.sync`` so workers
-that have no checkpoint get the most tenured worker's state. A step that raises is rolled
+that have no checkpoint get the most tenured worker's state (``elastic.tenured_rank()``:
+the highest step, the lowest rank on ties); the step number is that worker's too, and a
+check that every rank then holds its state ends the job with one error when one does
+not (``elastic.training.tenure``). A step that raises is rolled
 back: the snapshot captured before it is applied, ``sync`` is called and the step is
 tried again, up to ``max_step_retries`` times in a row; after that, or when the state
 returns no snapshot (rollback not supported), the exception propagates and the agent
@@ -37,7 +40,7 @@ from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
-from elastic.training import regroup
+from elastic.training import regroup, tenure
 from elastic.training.heartbeat import heartbeat
 from elastic.training.preemption import checkpoint_requested, checkpoint_saved, mark_saved
 from elastic.training.state import State
@@ -60,12 +63,28 @@ def _all_reduce_max(values: list[int]) -> list[int]:
         return values
     import torch
 
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    tensor = torch.tensor(values, dtype=torch.int64, device=_device(dist))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [int(v) for v in tensor.tolist()]
+
+
+def _all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (as many on each), in rank order; needs a process group."""
+    dist = _dist()
+    import torch
+
+    mine = torch.tensor(values, dtype=torch.int64, device=_device(dist))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [[int(v) for v in t.tolist()] for t in every]
+
+
+def _device(dist: Any) -> str:
+    import torch
+
+    if dist.get_backend() == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 def _resolve_checkpointer(
@@ -167,7 +186,8 @@ def train(
                 file=sys.stderr,
             )
             state.apply_snapshot(snapshot)
-            state.sync(world_size, rank)
+            with tenure.syncing_from(0):  # every rank is at this same step
+                state.sync(world_size, rank)
             continue
         retries = 0
         step += 1
@@ -192,7 +212,31 @@ def train(
 
 
 def _sync(state: State, step: int, world_size: int, rank: int) -> int:
-    """``state.sync``, then the step number of the most tenured rank (ranks that started
-    without the checkpoint, or joined, got the state from sync; the step comes with it)."""
-    state.sync(world_size, rank)
-    return _all_reduce_max([step])[0]
+    """``state.sync`` from the most tenured rank; returns that rank's step number.
+
+    Ranks that started without the checkpoint, joined, or rolled back a step a peer's
+    death cut short have a lower step than the tenured rank and take its state: the step
+    comes from the same rank. Afterwards every rank's ``sync_digest`` must equal the
+    tenured rank's from before the sync (``elastic.training.tenure``)."""
+    dist = _dist()
+    if dist is None:
+        with tenure.syncing_from(rank):
+            state.sync(world_size, rank)
+        return step
+    steps = [row[0] for row in _all_gather_ints([step])]
+    source = tenure.most_tenured(steps)
+    digest = getattr(state, "sync_digest", None)
+    before = digest() if digest is not None and rank == source else None
+    with tenure.syncing_from(source):
+        state.sync(world_size, rank)
+    after = digest() if digest is not None else None
+    rows = _all_gather_ints(tenure.digest_words(before) + tenure.digest_words(after))
+    differ = tenure.mismatched_ranks(rows, source)
+    if differ:
+        raise RuntimeError(
+            f"elastic.train: after State.sync, rank(s) {', '.join(map(str, differ))} of "
+            f"{len(rows)} do not hold the state of rank {source}, the most tenured (step "
+            f"{steps[source]}): sync must hand out the state of elastic.tenured_rank() (or "
+            "State.sync_digest must leave out what differs by rank)"
+        )
+    return steps[source]

@@ -1,0 +1,169 @@
+"""A worker that regrouped in place exits cleanly: its default process group is torn
+down before the interpreter finalizes (``elastic.training.dist``), never during
+finalization, where a gloo thread taking the GIL aborts the worker (SIGABRT, "terminate
+called without an active exception") after a successful run, and the agent would run
+the whole job again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Processes, wait_until
+from elastic.testing.etcd import EtcdCluster
+from elastic.testing.ports import free_port
+
+pytest_plugins = ["elastic.testing.etcd"]
+
+# Regroups in place by hand (leave, a new store port, rejoin), as a round change does,
+# and ends without destroy_process_group. A handler registered before the group was
+# made runs after elastic's (atexit is last in, first out): the group is gone by then.
+ONE_RANK = """
+import atexit, os, sys
+import torch, torch.distributed as dist
+import elastic
+from elastic.training.dist import leave_group, rejoin_group
+
+atexit.register(lambda: print("AT EXIT initialized", dist.is_initialized(), flush=True))
+elastic.init_process_group(backend="gloo", timeout=30)
+for port in sys.argv[1:]:
+    leave_group()
+    os.environ["MASTER_PORT"] = port
+    rejoin_group()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+print("TRAINED", dist.get_world_size(), flush=True)
+"""
+
+
+def test_a_group_left_at_exit_is_destroyed_before_finalization(tmp_path: Path) -> None:
+    script = tmp_path / "one.py"
+    script.write_text(ONE_RANK)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    ports = [str(free_port()) for _ in range(3)]
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, str(script), *ports],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["TRAINED 1", "AT EXIT initialized False"], done
+        assert "terminate called" not in done.stderr
+
+
+WORKER = """
+import os, sys, time
+import torch, torch.distributed as dist
+import elastic
+
+STEPS = int(sys.argv[1])
+out = os.environ["OUT"]
+
+
+class Accumulator(elastic.State):
+    def __init__(self):
+        self.step, self.value = 0, 0
+
+    def capture_snapshot(self):
+        return {"step": self.step, "value": self.value}
+
+    def apply_snapshot(self, snapshot):
+        self.step, self.value = snapshot["step"], snapshot["value"]
+
+    def sync(self, world_size, rank):
+        every = [None] * world_size
+        dist.all_gather_object(every, self.capture_snapshot())
+        self.apply_snapshot(every[elastic.tenured_rank()])
+
+
+def train_step(s):
+    t = torch.tensor([s.step + 1], dtype=torch.int64)
+    dist.all_reduce(t)
+    s.value = (s.value * 31 + int(t.item()) // dist.get_world_size()) % (2**61 - 1)
+    s.step += 1
+    open(os.path.join(out, f"step-{os.getpid()}-{dist.get_world_size()}"), "w").close()
+    time.sleep(0.1)
+    return s.step >= STEPS
+
+
+elastic.init_process_group(backend="gloo", timeout=60)
+state = Accumulator()
+last = elastic.train(train_step, state, checkpointer="")
+print(f"DONE {last} {state.value} pid={os.getpid()}", flush=True)
+# no destroy_process_group: many scripts end like this
+"""
+
+CONF = "heartbeat_interval=0.5,heartbeat_timeout=2.5,close_timeout=10,last_call_timeout=2"
+STEPS = 60
+NODES = 4
+
+
+def worlds_seen(out: Path) -> set[int]:
+    return {int(p.name.rsplit("-", 1)[1]) for p in out.glob("step-*")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_workers_that_regrouped_in_place_exit_zero_with_no_abort_again_and_again(
+    procs: Processes, etcd_v3_server: EtcdCluster, tmp_path: Path
+) -> None:
+    """Four nodes; two are preempted one after the other (two regroups in place); the two
+    survivors' workers finish and exit 0, three jobs in a row."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    expected = 0
+    for step in range(1, STEPS + 1):
+        expected = (expected * 31 + step) % (2**61 - 1)
+    for run in range(3):
+        out = tmp_path / f"run{run}"
+        out.mkdir()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(out))
+        agents = [
+            procs.elastic(
+                "run",
+                f"--nnodes=2:{NODES}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=etcd-v3",
+                f"--rdzv-endpoint={etcd_v3_server.endpoint}",
+                f"--rdzv-id=exit-{run}",
+                f"--rdzv-conf={CONF}",
+                "--monitor-interval=0.1",
+                "--max-restarts=0",
+                str(script),
+                str(STEPS),
+                env=env,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            for _ in range(NODES)
+        ]
+        for world, victim in ((NODES, agents[-1]), (NODES - 1, agents[-2])):
+            assert wait_until(lambda w=world, o=out: w in worlds_seen(o), 90), worlds_seen(out)
+            victim.send_signal(signal.SIGTERM)
+            assert victim.wait(timeout=40) == 128 + signal.SIGTERM
+        texts = []
+        for agent in agents[:2]:
+            text, _ = agent.communicate(timeout=120)
+            texts.append(text)
+            assert agent.returncode == 0, text
+        joined = "\n".join(texts)
+        assert "terminate called" not in joined and "SIGABRT" not in joined, joined
+        assert joined.count(f"DONE {STEPS} {expected}") == 2, joined
+        assert worlds_seen(out) == {NODES, NODES - 1, NODES - 2}, worlds_seen(out)
+        # the same two processes trained in all three worlds: kept, never restarted
+        kept = {line.rsplit("pid=", 1)[1] for line in joined.splitlines() if "DONE" in line}
+        for pid in kept:
+            assert {
+                w for w in (NODES, NODES - 1, NODES - 2) if (out / f"step-{pid}-{w}").exists()
+            } == {
+                NODES,
+                NODES - 1,
+                NODES - 2,
+            }, pid
