@@ -119,12 +119,15 @@ def store_session() -> OneInput:
         recv_exactly(sock, 4)  # the PING's echo
         if mode == 1:
             return
-        sock.sendall(wire.request(wire.Query.AUTH_HELLO))
+        ours = b"c" * wire.AUTH_CHALLENGE_LEN  # the mutual handshake (wire): server first
+        sock.sendall(wire.request(wire.Query.AUTH_HELLO, wire.blob(ours)))
         (n,) = wire.U64.unpack(recv_exactly(sock, 8))
-        challenge = recv_exactly(sock, n)
-        sock.sendall(
-            wire.request(wire.Query.AUTH_PROOF, wire.blob(wire.auth_proof(TOKEN, challenge)))
-        )
+        theirs = recv_exactly(sock, n)
+        (n,) = wire.U64.unpack(recv_exactly(sock, 8))
+        if recv_exactly(sock, n) != wire.auth_proof(TOKEN, wire.SERVER, ours, theirs):
+            raise Crash("the server did not prove the token")
+        proof = wire.auth_proof(TOKEN, wire.CLIENT, ours, theirs)
+        sock.sendall(wire.request(wire.Query.AUTH_PROOF, wire.blob(proof)))
         if recv_exactly(sock, 1) != wire.U8.pack(wire.AUTHENTICATED):
             raise Crash("the server refused the right token")
 
@@ -165,6 +168,7 @@ def _record_parsers() -> Callable[[bytes], None]:
     from elastic.core.interfaces.failures import FailureRecord
     from elastic.core.interfaces.job_keys import parse_budget
     from elastic.core.interfaces.rendezvous import RendezvousStateError
+    from elastic.core.rendezvous.round import presence
     from elastic.core.rendezvous.round import records as R
     from elastic.core.rendezvous.round.monitor import parse_lost
     from elastic.core.rendezvous.round.progress_lines import Forming
@@ -186,7 +190,7 @@ def _record_parsers() -> Callable[[bytes], None]:
             lambda: parse_lost(value, "k"),
             lambda: parse_budget(value),
             lambda: R.valid_join(R.loads(value, "k"), 0),
-            lambda: R.verify(TOKEN, RUN_ID, R.loads(value, "k")),
+            lambda: presence.read_hello(TOKEN, RUN_ID, value, "nonce", 0),
             lambda: R.counter(value, "k"),
         ):
             try:

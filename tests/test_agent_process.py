@@ -199,7 +199,13 @@ def test_cli_worker_env_matches_torchrun(tmp_path: Path, backend: str) -> None:
     for ours, theirs in zip(envs["elastic"], envs["torchrun"], strict=True):
         # Our own channels to the worker (preemption control, progress) come on top.
         extras = {k for k in ours if k.startswith("ELASTIC_")} - set(theirs)
-        channels = {"ELASTIC_CONTROL_FILE", "ELASTIC_CONTROL_SLOT", "ELASTIC_PROGRESS_FILE"}
+        channels = {
+            "ELASTIC_CONTROL_FILE",
+            "ELASTIC_CONTROL_SLOT",
+            "ELASTIC_PROGRESS_FILE",
+            "ELASTIC_PREEMPTION_SIGNAL",  # which signal a listening worker defers, and how
+            "ELASTIC_PREEMPTION_GRACE",  # long (a whole SLURM step signalled at once)
+        }
         assert extras <= channels, extras
         assert sorted(set(ours) - extras) == sorted(theirs)
         differing = {k for k in theirs if ours[k] != theirs[k]}
