@@ -18,6 +18,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousError,
     RendezvousParameters,
     RendezvousStoreGoneError,
+    RendezvousStoreMovedError,
 )
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
 from elastic.core.tcpstore.view import Connection
@@ -261,6 +262,7 @@ def test_an_add_whose_answer_is_lost_in_a_move_fails_to_its_sender() -> None:
         with pytest.raises(RendezvousConnectionError, match="during a ADD") as err:
             move.conn.call("add", "count", 1)
         assert not isinstance(err.value, RendezvousStoreGoneError)  # not final: retried
+        assert isinstance(err.value, RendezvousStoreMovedError)  # the agent rejoins on it
         mover.join()
         with TCPStoreClient("127.0.0.1", move.standby.port, 5.0) as check:
             assert check.multi_get(["count"], False) == [b""]  # never applied

@@ -66,6 +66,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousMismatchError,
+    RendezvousStoreMovedError,
 )
 from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from elastic.core.interfaces.store import Store
@@ -215,12 +216,14 @@ class LocalElasticAgent(ElasticAgent):
                 if self._calls(job_failed, self._store):
                     return self._final_failure("the job failed on another node")
                 result = self._attempt(info)
-            except RendezvousFencedError as exc:
+            except (RendezvousFencedError, RendezvousStoreMovedError) as exc:
                 # Cut off (a partition, the job declared us lost, a store call on the way
-                # to a decision unanswered): stop the workers, rejoin when the store answers.
+                # to a decision unanswered), or a call whose outcome a move of the store
+                # left unknown: stop the workers, rejoin where the store answers now.
                 self._stop(signal.SIGTERM, FENCE_GRACE)
                 say(f"elastic: {exc}", logging.WARNING)
-                self._notify("elastic_restart", group=self._group, reason="fenced")
+                reason = "fenced" if isinstance(exc, RendezvousFencedError) else "store moved"
+                self._notify("elastic_restart", group=self._group, reason=reason)
                 continue
             except RendezvousConnectionError as exc:
                 self._stop(signal.SIGTERM, FENCE_GRACE)

@@ -65,6 +65,13 @@ class RendezvousStoreGoneError(RendezvousConnectionError):
     all (a partition or a dead machine), which is a plain ``RendezvousConnectionError``."""
 
 
+class RendezvousStoreMovedError(RendezvousConnectionError):
+    """The store moved to another host while a request that cannot be sent again (an
+    ADD) was in flight: it may or may not have been applied. The store is there, so this
+    is not the end of the job: the caller's retry path takes it (the agent stops this
+    attempt's workers and rejoins, as when fenced)."""
+
+
 class RendezvousFencedError(RendezvousError):
     """This node can no longer confirm it belongs to the current round (it cannot reach
     the rendezvous for the liveness timeout, or the others declared it lost). It must stop

@@ -130,9 +130,10 @@ def elastic_worker_failed(record: FailureRecord) -> None:
 @hookspec
 def elastic_restart(group: WorkerGroup, reason: str) -> None:
     """Called when the agent stops its workers to start them again. ``reason`` is
-    ``"failure"``, ``"membership"`` (a node arrived), ``"lost_node"``, ``"fenced"`` or
-    ``"regroup_timeout"`` (workers that regroup in place did not take the new round in
-    time). Workers kept through a regroup are not restarted: the agent then tells
+    ``"failure"``, ``"membership"`` (a node arrived), ``"lost_node"``, ``"fenced"``,
+    ``"store moved"`` (c10d's store moved while a store call whose outcome cannot be known
+    was in flight) or ``"regroup_timeout"`` (workers that regroup in place did not take
+    the new round in time). Workers kept through a regroup are not restarted: the agent then tells
     ``elastic_workers_started`` again, with the same pids."""
 
 

@@ -12,6 +12,7 @@ from elastic.core.interfaces.coordination import Tick
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousStoreGoneError,
+    RendezvousStoreMovedError,
 )
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore.client import TCPStoreClient
@@ -115,7 +116,7 @@ class Connection:
             if op not in REPEATABLE:
                 # Applied or not: nobody can tell. Not final (the store is there): the
                 # caller's retry path, not its "store gone" path, takes it.
-                raise RendezvousConnectionError(
+                raise RendezvousStoreMovedError(
                     f"the store moved to {self.where} during a {op.upper()}, whose outcome "
                     f"is unknown: {exc}"
                 ) from None
