@@ -13,7 +13,7 @@ worker in ``campaign.py``) and names every violation:
 - the final state differs from an undisturbed run's (the reference value of that many
   steps), or ranks finished with different states;
 - more steps redone than faults injected (a step is redone when a later world computes it
-  again);
+  again, or lost when the job had reached it and finished without it);
 - an agent that was still a member at the end exited with a code that is not the job's
   outcome (0 when the job finished, non-zero when it failed: a failed job is a violation
   of its own, "no worker finished the job");
@@ -150,7 +150,10 @@ def check(
             )
     verdict.steps_done = sum(len(s) for s in computed.values())
     distinct = len(set().union(*computed.values())) if computed else 0
-    verdict.redone = verdict.steps_done - distinct
+    # Steps computed again by a later world, plus steps the job had reached but finished
+    # without (its state went back and it stopped before computing them again).
+    reached = max((e["step"] for e in steps), default=0)
+    verdict.redone = verdict.steps_done - distinct + max(0, reached - verdict.final_step)
     if verdict.redone > faults:
         verdict.violations.append(f"{verdict.redone} steps redone for {faults} faults")
     finished = bool(done)

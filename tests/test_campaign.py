@@ -64,6 +64,13 @@ def test_one_world_after_another_with_one_step_redone_passes() -> None:
     assert (verdict.worlds, verdict.redone, verdict.final_step) == (2, 1, 20)
 
 
+def test_state_lost_to_a_restart_counts_as_redone() -> None:
+    # the job reached step 40, then every worker restarted from nothing and stopped at 3
+    verdict = judge(steps("w1", 1, 40, 0.0) + steps("w2", 1, 3, 9.0) + done(3), faults=2)
+    assert verdict.redone == 3 + 37
+    assert any("40 steps redone for 2 faults" in v for v in verdict.violations)
+
+
 def test_two_worlds_at_the_same_time_are_named() -> None:
     verdict = judge(steps("w1", 1, 20, 0.0) + steps("w2", 1, 20, 0.5) + done(20), faults=50)
     assert any("two worlds" in v for v in verdict.violations)
