@@ -40,7 +40,8 @@ from typing import Any
 
 from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
-from elastic.training import regroup, tenure
+from elastic.core.workers.control_file import DONE
+from elastic.training import control, regroup, tenure
 from elastic.training.heartbeat import heartbeat
 from elastic.training.preemption import checkpoint_requested, checkpoint_saved, mark_saved
 from elastic.training.state import State
@@ -197,6 +198,9 @@ def train(
             saved_at = step
             heartbeat()  # a long save is progress too
         if any_done:
+            # Every rank agreed: a crash from here on (the script's own exit, a group
+            # torn down) must not run the job again from its start (the agent reads it).
+            control.set_mine(DONE, 1)
             return step
         if preempted:  # every rank is at this same step: save it, then re-form
             if saver is not None and step != saved_at:

@@ -79,6 +79,7 @@ def publish_and_decide(
     max_restarts: int,
     told: Callable[[fail.FailureRecord], None],
     call: Callable[..., Any] = store_call,
+    after_done: bool = False,
 ) -> str | None:
     """Publish the records job-wide (``told`` each one once it is), then claim a restart;
     why the job ends (after giving up for every node), or None to restart.
@@ -86,7 +87,9 @@ def publish_and_decide(
     The agent calls this before it stops the failed workers' siblings: peers learn of the
     failure (the restart claim, the failed flag) while the siblings' grace period runs.
     ``call`` makes every store call (the agent's ``BoundedCalls``: a partition meanwhile
-    fences this node, which rejoins, instead of ending it).
+    fences this node, which rejoins, instead of ending it). ``after_done``: every failed
+    worker had agreed with every rank that training was done (``elastic.train``
+    returned): the job ends with this failure rather than run again from its start.
     """
     for record in records:
         call(fail.publish, store, record)
@@ -96,7 +99,9 @@ def publish_and_decide(
         f"was killed by {first.signal}" if first.signal else f"exited with code {first.exit_code}"
     )
     final = None
-    if first_attempt and any(map(fail.is_deterministic_startup_failure, records)):
+    if after_done:
+        final = f"{what} after every rank agreed training was done; not running it again"
+    elif first_attempt and any(map(fail.is_deterministic_startup_failure, records)):
         final = f"{what} at start-up ({first.message}); not restarting"
     elif call(claim_restart, store, round_, node_id) > max_restarts:
         final = f"{what}; restart budget exhausted (max_restarts={max_restarts})"

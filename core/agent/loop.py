@@ -534,6 +534,11 @@ class LocalElasticAgent(ElasticAgent):
                 told=told,
                 stop=stop,
             )
+        # Workers that fail after every rank agreed training was done end the job: the
+        # summary below says how they failed, this line why nothing runs again.
+        after_done = self._coordinator is not None and (
+            set(end.failed) <= self._coordinator.control.done()
+        )
         final = publish_and_decide(
             records,
             info.store,
@@ -545,9 +550,12 @@ class LocalElasticAgent(ElasticAgent):
             max_restarts=self._spec.max_restarts,
             told=told,
             call=self._calls,
+            after_done=after_done,
         )
         self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
         if final is not None:
+            if after_done:
+                say(f"elastic: {final}", logging.WARNING)
             return self._final_failure(final)
         self._notify("elastic_restart", group=self._group, reason="failure")
         return None

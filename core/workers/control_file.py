@@ -5,7 +5,7 @@ One file per node (kept across rounds its workers survive), mapped shared by the
 and its workers. The header: the checkpoint request number, the regroup request number,
 the generation of the last round handed over (the round file beside it) and whether the
 agent is stopping its workers. Then one
-slot per local rank: (listening, saved, capable, joined, broken, step_us, ready).
+slot per local rank: (listening, saved, capable, joined, broken, step_us, ready, done).
 
 - "Listening" says the script uses the checkpoint API at all
   (``elastic.checkpoint_requested()``): an agent whose workers never asked does not wait
@@ -18,7 +18,9 @@ slot per local rank: (listening, saved, capable, joined, broken, step_us, ready)
   died mid-collective), 0 otherwise; "step_us" its last step's duration, which bounds how
   long the agent waits for it to reach a step boundary. "Ready" says a freshly started
   worker is about to join its round's group (``elastic.init_process_group``): the workers
-  kept from the last round wait for that before they stop training to join it.
+  kept from the last round wait for that before they stop training to join it. "Done"
+  says every rank agreed training is done (``elastic.train`` returns): a failure after
+  that ends the job without running it again.
 
 The agent's end is ``ControlFile``; the workers' ends are ``elastic.training.preemption``
 and ``elastic.training.regroup``; the layout constants below are the one definition both
@@ -49,9 +51,10 @@ ENV_PREEMPTION_GRACE = "ELASTIC_PREEMPTION_GRACE"
 # that defers the preemption signal (``elastic.training.preemption``) never defers that one.
 HEADER = struct.Struct("<QQQQ")
 CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD = 0, 1, 2, 3
-# per local rank: (listening, saved request number, capable, joined, broken, step_us, ready)
-SLOT = struct.Struct("<QQQQQQQ")
-LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY = range(7)
+# per local rank: (listening, saved request number, capable, joined, broken, step_us, ready,
+# done)
+SLOT = struct.Struct("<QQQQQQQQ")
+LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY, DONE = range(8)
 # A worker may learn of a request from its peers (the all_reduce of the flag) before its
 # own agent has raised it locally: it then saves "for whatever request is pending".
 SAVED_PENDING = 2**64 - 1
@@ -169,6 +172,11 @@ class ControlFile:
     def broken(self) -> bool:
         """A local worker's process group broke and it waits for a new round."""
         return any(slot[BROKEN] > self.generation for slot in self._slots())
+
+    def done(self) -> set[int]:
+        """The local ranks whose ranks all agreed that training is done (``elastic.train``
+        returned): a failure of theirs after that is no reason to run the job again."""
+        return {r for r, slot in enumerate(self._slots()) if slot[DONE]}
 
     def longest_step(self) -> float:
         """The longest last step of any local worker, in seconds."""
