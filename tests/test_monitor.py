@@ -261,18 +261,18 @@ def test_a_joiner_learns_its_coordinator_from_the_round_s_state_read(
     who coordinates: one request less per joiner."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from elastic.core.rendezvous.round.protocol import RoundProtocol
+    from elastic.core.rendezvous.round.joining import Joiner
 
     n = 3
     handlers = c10d_job("first-slot", n)
-    read_slots = RoundProtocol._read_slots
-    readers: list[RoundProtocol] = []
+    read_slots = Joiner.read_slots
+    readers: list[Joiner] = []
 
-    def counted(self: RoundProtocol, rnd: int, first: int, last: int) -> Any:
+    def counted(self: Joiner, rnd: int, first: int, last: int) -> Any:
         readers.append(self)
         return read_slots(self, rnd, first, last)
 
-    monkeypatch.setattr(RoundProtocol, "_read_slots", counted)
+    monkeypatch.setattr(Joiner, "read_slots", counted)
     with ThreadPoolExecutor(n) as pool:
         first = pool.submit(handlers[0].next_rendezvous)  # slot 1: the coordinator
         deadline = time.monotonic() + 30
@@ -282,9 +282,9 @@ def test_a_joiner_learns_its_coordinator_from_the_round_s_state_read(
         others = [pool.submit(h.next_rendezvous) for h in handlers[1:]]
         infos = [first.result(60), *(f.result(60) for f in others)]
     assert sorted(i.rank for i in infos) == list(range(n))
-    joiners = {id(h.protocol) for h in handlers[1:]}
+    joiners = {id(h.protocol.joiner) for h in handlers[1:]}
     assert not [r for r in readers if id(r) in joiners]
-    assert [r for r in readers if r is handlers[0].protocol]  # the coordinator reads
+    assert [r for r in readers if r is handlers[0].protocol.joiner]  # the coordinator reads
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,176 @@
+"""The coordinator's side of a round: ``Coordinator`` is run by the node in the lowest
+valid slot. It polls the round's counter (cheap: one node), reads the new join records in
+one ``multi_get``, decides when the round is complete (max_nodes, the last call, or every
+survivor of the last round back) and publishes one assignment; a round that cannot form
+within ``join_timeout`` is published abandoned, one the job closed under is published
+closed.
+
+May import the round's ``joining`` (the join-record reader, the timeout error),
+``publishing``, ``monitor`` (the liveness rule), ``progress_lines``, ``settings`` and
+``records``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.joining import Joiner, timed_out
+from elastic.core.rendezvous.round.monitor import LivenessTracker
+from elastic.core.rendezvous.round.progress_lines import RoundProgress, membership_change
+from elastic.core.rendezvous.round.publishing import RoundOutcomes
+from elastic.core.rendezvous.round.settings import RoundSettings
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, outcomes: RoundOutcomes, joiner: Joiner, settings: RoundSettings) -> None:
+        self.outcomes = outcomes
+        self.joiner = joiner  # whose reader reads the round's join records
+        self.store = outcomes.store
+        self.s = settings
+
+    def coordinate(self, rnd: int, deadline: float, lines: RoundProgress | None) -> R.Assignment:
+        """Wait until round ``rnd`` is complete and publish it; returns the outcome that
+        won (this node's, or a closed one)."""
+        outcomes = self.outcomes
+        prev = outcomes.last_formed(rnd - 1)
+        prev_roster = outcomes.roster(prev.round) if prev is not None else None
+        prev_members = prev_roster.members if prev_roster is not None else []
+        # Survivors of the last round we are waiting for; once all are here there is
+        # nobody known to wait for, so the last call is skipped (fast re-forming). A
+        # member that departs meanwhile is added to the last round's lost list and bumps
+        # ``events``: the list is read again whenever ``events`` moved. One that is gone
+        # without being listed (it died while no round ran, or its departure's write
+        # failed) is found by its heartbeat (``_gone``) during the last call.
+        expected: set[str] = set(prev_members)
+        gone: set[str] = set()
+        beats = LivenessTracker(self.s.heartbeat_timeout, self.s.heartbeat_interval)
+        next_beats = 0.0
+        joined: list[dict[str, Any]] = []
+        seen, events, min_at, pause, clashed = 0, -1, None, 0.002, False
+        while True:
+            if outcomes.is_closed():
+                outcomes.publish(rnd, R.Assignment(round=rnd, state="closed"))
+                outcomes.raise_if_closed()
+            count, now_events = self._counters(rnd)  # one read: the slots and events
+            if now_events != events and prev is not None:
+                events = now_events
+                expected = set(prev_members) - set(outcomes.read_lost(prev.round)) - gone
+            if count > seen:
+                joined += self.joiner.read_slots(rnd, seen + 1, count)
+                seen = count
+            ids = {rec["id"] for rec in joined}
+            if len(ids) < len(joined) and not clashed:
+                clashed = True  # a node joins a round once: two nodes share an id
+                log.warning(
+                    "round %d: %d join records share a node id, so they count as one "
+                    "node (ids: %s)", rnd, len(joined) - len(ids), R.repeated_ids(joined)
+                )  # fmt: skip
+            if lines is not None:
+                lines.coordinating(self.store, rnd, joined, prev_roster, expected)
+            now = time.monotonic()
+            ready = len(ids) >= self.s.max_nodes
+            if len(ids) >= self.s.min_nodes:
+                min_at = now if min_at is None else min_at
+                if expected - ids and now >= next_beats:
+                    next_beats = now + self.s.heartbeat_interval
+                    gone |= self._gone(expected - ids, beats)
+                    expected -= gone
+                if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
+                    ready = True
+            if ready:
+                here = self._still_here(joined)
+                if len(here) == len(joined):
+                    break
+                joined = here  # a joiner left before the round formed: never a member
+                min_at = None if len({r["id"] for r in here}) < self.s.min_nodes else min_at
+                continue
+            if now >= deadline:
+                outcomes.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
+                why = f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined"
+                raise timed_out(outcomes.run_id, self.s, why)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+        return self._form(rnd, joined, prev_roster)
+
+    def _form(
+        self, rnd: int, joined: list[dict[str, Any]], prev_roster: R.Roster | None
+    ) -> R.Assignment:
+        """Choose round ``rnd``'s members among ``joined`` and publish the formed round."""
+        prev_members = prev_roster.members if prev_roster is not None else []
+        chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
+        roster = R.Roster(
+            round=rnd,
+            members=[rec["id"] for rec in chosen],
+            hosts=[_text(rec.get("host")) for rec in chosen],
+            standbys=[_text(rec.get("standby")) for rec in chosen],
+        )
+        asg = R.Assignment(
+            round=rnd,
+            state="formed",
+            size=len(chosen),
+            first=chosen[0]["id"],
+            ranks=R.rank_runs([rec["slot"] for rec in chosen]),
+            master_addr=chosen[0]["addr"],
+            master_port=chosen[0]["port"],
+            formed_at=time.time(),
+            coordinator=self.outcomes.node_id,
+            fingerprint=dict(chosen[0].get("fp") or {}),
+            min_nodes=self.s.min_nodes,
+            max_nodes=self.s.max_nodes,
+            presence_port=_port(chosen[0].get("presence")),
+            successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
+            change=membership_change(prev_roster, roster),
+        )
+        log.info(
+            "round %d of run %r formed: %d node(s), master %s:%d",
+            rnd,
+            self.outcomes.run_id,
+            len(chosen),
+            asg.master_addr,
+            asg.master_port,
+        )
+        return self.outcomes.publish(rnd, asg, roster)
+
+    def _counters(self, rnd: int) -> tuple[int, int]:
+        """(join slots taken in round ``rnd``, the ``events`` counter), in one read."""
+        raw_count, raw_events = self.store.multi_get([R.count_key(rnd), R.EVENTS])
+        return _counter(raw_count), _counter(raw_events)
+
+    def _still_here(self, joined: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The joiners whose heartbeat does not say they left (or finished) since."""
+        beats = self.store.multi_get([R.hb_key(str(rec["id"])) for rec in joined])
+        return [rec for rec, beat in zip(joined, beats, strict=True) if beat not in R.GONE]
+
+    def _gone(self, nodes: set[str], beats: LivenessTracker) -> set[str]:
+        """Which of ``nodes`` (last-round members not back yet) will not come: their
+        heartbeat says they left or finished, or has not changed for heartbeat_timeout
+        (the running round's liveness rule, ``LivenessTracker``; nobody else judges a
+        member while no round runs). One read, once a heartbeat interval."""
+        ids = sorted(nodes)
+        asked = time.monotonic()
+        values = self.store.multi_get([R.hb_key(node) for node in ids])
+        lost, done = beats.update(dict(zip(ids, values, strict=True)), asked, time.monotonic())
+        return set(lost) | set(done)
+
+
+def _counter(raw: bytes) -> int:
+    """A counter read raw (``add`` keeps decimal text); missing or garbled reads as 0."""
+    try:
+        return int(raw or b"0")
+    except ValueError:
+        return 0
+
+
+def _port(value: Any) -> int:
+    """A port from a join record; anything else (an older agent's record) is 0: none."""
+    return value if isinstance(value, int) and 0 < value < 65536 else 0
+
+
+def _text(value: Any) -> str:
+    """A string from a join record; anything else (an older agent's record) is ""."""
+    return value if isinstance(value, str) else ""
