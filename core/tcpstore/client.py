@@ -20,24 +20,21 @@ handshake for torch's (it expects no proof).
 Every socket operation has a deadline: a server whose link went silently down (no RST)
 is reported after ``timeout`` seconds instead of hanging. After any connection error the
 response stream can no longer be trusted, so the client is dead from then on: every
-later call raises the same kind of error.
+later call raises the same kind of error (the socket and its deadlines: ``channel``).
+
+Owns connecting, the handshakes and the Store API. May import ``channel`` and ``wire``;
+outside ``tcpstore``, ``interfaces``.
 """
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
 import os
 import secrets
-import socket
-import struct
-import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TypeVar
 
 from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.rendezvous import (
@@ -47,9 +44,8 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import wire
+from elastic.core.tcpstore.channel import Channel, WaitExpired
 from elastic.core.tcpstore.wire import Query
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +63,6 @@ TOKEN_HINT = (
     "in the environment"
 )
 
-# The host answered: nothing listens there (any more), or it dropped this connection.
-_GONE_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
-
-# recv() allocates its whole buffer up front: never trust a length from the wire for it.
-_MAX_RECV = 4 * 1024 * 1024
-# Linux ``struct tcp_info``: ``tcpi_last_ack_recv`` (ms since the peer's kernel last
-# acknowledged anything) is the u32 at this offset (8 bytes of u8 fields, then rto, ato,
-# snd_mss, rcv_mss, unacked, sacked, lost, retrans, fackets, last_data_sent,
-# last_ack_sent, last_data_recv).
-_TCPI_LAST_ACK_RECV = 56
-# Keepalive probes once the connection has received nothing for this long: an unanswered
-# request then still hears from the server's kernel every second while the host is up
-# and reachable, and hears nothing across a partition (see ``peer_silence``; the monitor
-# allows ``coordination.HOST_HEARD_WITHIN`` between answers).
-_KEEPALIVE_IDLE_S = 1
-
-
-class _EOF(Exception):
-    """The server closed the connection."""
-
-
-class _WaitExpired(Exception):
-    """A WAIT's own timeout passed (not a connection failure)."""
-
 
 class _Busy(Exception):
     """The server closed the connection during the handshake (``at_hello``: when asked
@@ -105,7 +77,7 @@ def _as_bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-class TCPStoreClient:
+class TCPStoreClient(Channel):
     """A connection to a TCPStore server at ``host:port``.
 
     ``timeout`` (seconds) bounds every operation, and is the default for ``wait`` and
@@ -125,15 +97,7 @@ class TCPStoreClient:
         token: bytes | None = None,
         torch_ok: bool = False,
     ) -> None:
-        self.host = host
-        self.port = port
-        self.timeout = timeout
-        self.where = f"{host}:{port}"
-        self._lock = threading.Lock()
-        self._rbuf = bytearray()
-        self._bounds: dict[int, int] = {}  # SO_RCVTIMEO / SO_SNDTIMEO as set, in µs
-        self._dead: RendezvousConnectionError | None = None
-        self._closed = False
+        super().__init__(host, port, timeout)
         limit = timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + limit
         pause = BUSY_PAUSE
@@ -154,8 +118,6 @@ class TCPStoreClient:
     def _open(self, token: bytes | None, torch_ok: bool, deadline: float) -> None:
         """Connect and prove the token; ``_Busy`` when the server closed the connection
         during the handshake (the client is then closed)."""
-        self._closed, self._dead = False, None
-        self._rbuf.clear()
         self._connect(max(deadline - time.monotonic(), 0.001))
         accepts_torch = token is None or torch_ok
         if self.where in _TORCH_SERVED and accepts_torch:
@@ -174,25 +136,15 @@ class TCPStoreClient:
                     "records still ignore what they write)",
                     self.where,
                 )
-            self._closed, self._dead = False, None
-            self._rbuf.clear()
             self._connect(max(deadline - time.monotonic(), 0.001))
 
     def _connect(self, limit: float) -> None:
+        """Open a socket and check it reaches a TCPStore server (torch's VALIDATE and
+        PING); ``_Busy`` when the server closed the connection at that handshake."""
         handshake_deadline = time.monotonic() + limit
-        try:
-            self._sock = socket.create_connection((self.host, self.port), timeout=limit)
-        except OSError as exc:
-            raise self._connection_error(exc, "cannot connect", limit) from None
+        self.open_socket(limit)
         nonce = os.getpid() & 0xFFFFFFFF  # as torch's; any value does, if it comes back
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _keep_alive(self._sock)
-            # Blocking, with the kernel's timeouts (``_bound``): a Python timeout makes
-            # every recv a poll() and a recv, each giving up the GIL, which a thousand
-            # clients in one process (the scale bench, a test) pay on every round trip.
-            self._sock.settimeout(None)
-            self._bounds.clear()  # a new socket (torch's server: connected again)
             with self._lock:
                 answer = self._roundtrip(
                     wire.handshake(nonce), lambda _: self._u32(handshake_deadline)
@@ -333,33 +285,6 @@ class TCPStoreClient:
         with self._lock:
             return self._roundtrip(wire.request(Query.GETNUMKEYS), self._i64)
 
-    def peer_silence(self) -> float | None:
-        """Seconds since the server's host last acknowledged a packet of ours (its
-        kernel: a store process that is paused or starved of CPU still has it answer
-        keepalive probes; a partition or a dead host does not). None where the system
-        cannot tell (no ``TCP_INFO``) or the connection is closed."""
-        if self._closed or sys.platform != "linux":  # the layout below is Linux's
-            return None
-        try:
-            info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        except OSError:
-            return None
-        if len(info) < _TCPI_LAST_ACK_RECV + 4:
-            return None
-        field = info[_TCPI_LAST_ACK_RECV : _TCPI_LAST_ACK_RECV + 4]
-        return int.from_bytes(field, sys.byteorder) / 1000
-
-    @property
-    def broken(self) -> bool:
-        """A request of this client failed or was interrupted: no request can succeed."""
-        return self._dead is not None
-
-    def close(self) -> None:
-        """Idempotent; a call blocked in another thread fails at once."""
-        if not self._closed:
-            self._closed = True
-            self._drop_socket()
-
     def __enter__(self) -> TCPStoreClient:
         return self
 
@@ -394,7 +319,7 @@ class TCPStoreClient:
                 try:
                     self._u8(due, wait=True)
                     return
-                except _WaitExpired:
+                except WaitExpired:
                     if tick is None or due >= wait_deadline:
                         raise
                 tick()
@@ -402,7 +327,7 @@ class TCPStoreClient:
         try:
             self._roundtrip(wire.request(Query.WAIT, wire.blobs(wire_keys)), answer)
             return
-        except _WaitExpired:
+        except WaitExpired:
             pass
 
         def read_cancel_ack(deadline: float) -> None:
@@ -413,115 +338,3 @@ class TCPStoreClient:
         raise StoreTimeoutError(
             f"TCPStore {self.where}: timed out after {seconds:.1f}s waiting for {list(keys)}"
         )
-
-    def _roundtrip(self, payload: bytes, read: Callable[[float], T] | None) -> T:
-        """Send one request and read its response by ``timeout`` from now (``read`` gets
-        that deadline; ``None``: the query has no response). A socket failure kills the
-        client and becomes a ``RendezvousConnectionError``. Caller holds the lock."""
-        if self._dead is not None:
-            raise type(self._dead)(str(self._dead))
-        deadline = time.monotonic() + self.timeout
-        try:
-            self._bound(self.timeout, socket.SO_SNDTIMEO)
-            self._sock.sendall(payload)  # the timeout bounds each send of it
-            return read(deadline) if read is not None else None  # type: ignore[return-value]
-        except (OSError, _EOF) as exc:
-            self._dead = self._connection_error(exc, "lost the connection")
-            self._drop_socket()
-            raise self._dead from None
-        except _WaitExpired:
-            raise  # the caller cancels the WAIT, which keeps the stream in step
-        except BaseException:
-            # Raised between the request and the end of its answer (a signal's exception,
-            # Ctrl-C): the rest of that answer would be read as the next request's. The
-            # connection is out of step for good; ``Connection`` makes a new one.
-            self._dead = RendezvousConnectionError(
-                f"TCPStore {self.where}: a request was interrupted before its answer was read"
-            )
-            self._drop_socket()
-            raise
-
-    def _drop_socket(self) -> None:
-        try:
-            # Wakes a recv blocked in another thread, which close() alone does not.
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # not connected any more: closing is all there is left to do
-        self._sock.close()
-
-    def _connection_error(
-        self, exc: BaseException, what: str, seconds: float | None = None
-    ) -> RendezvousConnectionError:
-        if self._closed:
-            return RendezvousConnectionError(f"TCPStore {self.where}: the client is closed")
-        if isinstance(exc, _EOF):
-            return RendezvousStoreGoneError(
-                f"TCPStore {self.where}: {what}: the server closed the connection"
-            )
-        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_*TIMEO
-            return RendezvousConnectionError(
-                f"TCPStore {self.where}: {what}: no answer in "
-                f"{self.timeout if seconds is None else seconds:.1f}s"
-            )
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        gone = isinstance(exc, OSError) and exc.errno in _GONE_ERRNOS
-        cls = RendezvousStoreGoneError if gone else RendezvousConnectionError
-        return cls(f"TCPStore {self.where}: {what}: {reason}")
-
-    def _read(self, n: int, deadline: float, wait: bool = False) -> bytes:
-        """Exactly ``n`` bytes by ``deadline``. ``wait``: this is a WAIT's answer, whose
-        deadline passing is ``_WaitExpired``, not a dead connection."""
-        while len(self._rbuf) < n:
-            remaining = deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise TimeoutError(errno.ETIMEDOUT, "timed out")
-                self._bound(remaining, socket.SO_RCVTIMEO)
-                chunk = self._sock.recv(min(max(65536, n - len(self._rbuf)), _MAX_RECV))
-            except (TimeoutError, BlockingIOError):  # the kernel's timeout is EAGAIN
-                if wait:
-                    raise _WaitExpired from None
-                raise
-            if not chunk:
-                raise _EOF
-            self._rbuf += chunk
-        data = bytes(self._rbuf[:n])
-        del self._rbuf[:n]
-        return data
-
-    def _bound(self, seconds: float, option: int) -> None:
-        """The kernel's timeout for the next recv or send: at least a millisecond (a
-        zero ``timeval`` means none). Set only when it changes (one syscall less)."""
-        usec = max(1000, int(seconds * 1_000_000))
-        if self._bounds.get(option) != usec:
-            self._sock.setsockopt(
-                socket.SOL_SOCKET, option, struct.pack("ll", *divmod(usec, 1_000_000))
-            )
-            self._bounds[option] = usec
-
-    def _u8(self, deadline: float, wait: bool = False) -> int:
-        return self._read(1, deadline, wait)[0]
-
-    def _u32(self, deadline: float) -> int:
-        return int(wire.U32.unpack(self._read(4, deadline))[0])
-
-    def _i64(self, deadline: float) -> int:
-        return int(wire.I64.unpack(self._read(8, deadline))[0])
-
-    def _blob(self, deadline: float, limit: int | None = None) -> bytes:
-        (n,) = wire.U64.unpack(self._read(8, deadline))
-        if limit is not None and n > limit:  # a peer that is not a store of ours
-            raise RendezvousConnectionError(
-                f"TCPStore {self.where}: an answer of {n} bytes where at most {limit} fit"
-            )
-        return self._read(int(n), deadline)
-
-
-def _keep_alive(sock: socket.socket) -> None:
-    """Probe an idle connection every second (where the system has the options)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", 1)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    if hasattr(socket, "TCP_KEEPCNT"):  # our own timeouts end a connection, not probes
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 120)

@@ -9,7 +9,7 @@ is dropped (libuv ignores it), and so is any malformed request.
 
 A misbehaving client costs only its own connection: garbage drops it; a client that
 sends faster than it reads stops being read (TCP pushes back on it) once its unread
-responses pass ``_OUT_HIGH_WATER``. The limits of ``limits`` bound the rest, each logged
+responses pass ``peers.OUT_HIGH_WATER``. The limits of ``limits`` bound the rest, each logged
 once: one request is capped at ``wire.MAX_REQUEST_LEN`` bytes (``wire.VALIDATE_LEN``
 before the handshake), one answer at ``MAX_REPLY_LEN``, the connections at
 ``MAX_CONNECTIONS``; a handshake must come within ``HANDSHAKE_WAIT``, and a connection
@@ -22,6 +22,10 @@ requests, bytes and seconds and a connection cap of its own (``admission``); any
 request first, or a wrong proof, drops it: a client without the token reads and writes
 nothing, and strangers flooding the port do not slow the members. The store itself is
 not capped, as torch's is not.
+
+Owns the serving thread: its lifecycle, accepting, deadlines and the handshake's
+requests. May import ``peers`` (one connection and its bytes), ``store`` (the keys and
+every other request), ``admission``, ``limits`` and ``wire``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,15 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from elastic.core.tcpstore import admission, limits, wire
+from elastic.core.tcpstore.peers import (
+    OUT_HIGH_WATER,
+    RECV_SIZE,
+    Peer,
+    listening_socket,
+    recv,
+    send,
+    wanted_events,
+)
 from elastic.core.tcpstore.store import Drop as _Drop
 from elastic.core.tcpstore.store import Limit as _Limit
 from elastic.core.tcpstore.store import ServedStore
@@ -45,48 +58,7 @@ from elastic.core.tcpstore.wire import Query
 
 log = logging.getLogger(__name__)
 
-# One round of the loop answers at most this much of a connection's pipelined requests,
-# so a client flooding requests delays the others by that much work (~ms), not more.
-_RECV_SIZE = 64 * 1024
-_OUT_HIGH_WATER = 4 * 1024 * 1024
-
 R = TypeVar("R")
-
-
-class _Conn:
-    __slots__ = (
-        "sock",
-        "peer",
-        "parser",
-        "outbuf",
-        "validated",
-        "missing",
-        "paused",
-        "events",
-        "deadline",
-        "authenticated",
-        "guest",
-        "challenge",
-    )
-
-    def __init__(self, sock: socket.socket, peer: str, authenticated: bool) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.parser = wire.RequestParser(max_len=wire.VALIDATE_LEN)
-        self.outbuf = bytearray()
-        self.validated = False
-        # When it is dropped unless its handshake, or its work under way, progresses
-        # (monotonic; None: it owes nothing, as between requests or parked in a WAIT).
-        self.deadline: float | None = time.monotonic() + limits.HANDSHAKE_WAIT
-        # The keys a parked WAIT still misses; None when no WAIT is parked.
-        self.missing: set[bytes] | None = None
-        # Requests received are left unanswered until its unread answers drain.
-        self.paused = False
-        self.events = selectors.EVENT_READ  # as registered with the selector
-        self.authenticated = authenticated  # proved the token (or the server takes none)
-        self.guest = False  # served without the token, away from the members' keys
-        # (the client's, ours) once AUTH_HELLO was answered (``admission``).
-        self.challenge: tuple[bytes, bytes] | None = None
 
 
 class TCPStoreServer:
@@ -110,27 +82,18 @@ class TCPStoreServer:
         token: bytes | None = None,
         members_only: bytes | None = None,
     ):
-        if sock is None:
-            if host == "" and socket.has_dualstack_ipv6():
-                sock = socket.create_server(
-                    ("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096
-                )
-            else:
-                family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                sock = socket.create_server((host, port), family=family, backlog=4096)
-        else:
-            sock.listen(4096)  # also fine when it already listens: updates the backlog
+        sock = listening_socket(host, port, sock)
         self._token = token  # a connection must prove it first (see the module)
         self.port: int = sock.getsockname()[1]
         # ``data``: served from the start
-        self._store: ServedStore[_Conn] = ServedStore(dict(data or {}), self._update_events)
-        self._conns: dict[socket.socket, _Conn] = {}
+        self._store: ServedStore[Peer] = ServedStore(dict(data or {}), self._update_events)
+        self._conns: dict[socket.socket, Peer] = {}
         # The connections with a deadline (usually a handful: a handshake or a request
         # under way), so the loop never scans every connection for one.
-        self._timed: set[_Conn] = set()
+        self._timed: set[Peer] = set()
         self._sel = selectors.DefaultSelector()
         self._limits = limits.LimitLog(f"TCPStore server on port {self.port}")
-        self._admission = admission.Admission[_Conn](token, self._limits, members_only)
+        self._admission = admission.Admission[Peer](token, self._limits, members_only)
         self._listener = limits.Listener(
             sock, self._sel, "accept", limits.MAX_CONNECTIONS, self._limits
         )
@@ -261,7 +224,7 @@ class TCPStoreServer:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", self._token is None)
+            conn = Peer(sock, f"{addr[0]}:{addr[1]}", self._token is None)
             self._conns[sock] = conn
             self._timed.add(conn)
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -282,7 +245,7 @@ class TCPStoreServer:
                 self._limits.hit("HANDSHAKE_WAIT", f"{what}; dropped")
             self._drop(conn)
 
-    def _retime(self, conn: _Conn, progressed: bool) -> None:
+    def _retime(self, conn: Peer, progressed: bool) -> None:
         """A validated connection with work under way (the rest of a request it began,
         answers it has not taken) owes progress (a request answered, bytes sent) within
         ``REQUEST_WAIT``; one between requests owes nothing, however long."""
@@ -295,13 +258,13 @@ class TCPStoreServer:
             conn.deadline = time.monotonic() + limits.REQUEST_WAIT
             self._timed.add(conn)
 
-    def _service(self, conn: _Conn, mask: int) -> None:
+    def _service(self, conn: Peer, mask: int) -> None:
         try:
-            sent = self._send(conn) if mask & selectors.EVENT_WRITE else 0
+            sent = send(conn) if mask & selectors.EVENT_WRITE else 0
             if mask & selectors.EVENT_READ:
                 self._recv(conn)
             answered = self._process(conn)
-            sent += self._send(conn)
+            sent += send(conn)
             self._update_events(conn)
             self._retime(conn, answered > 0 or sent > 0)
         except _Limit as why:
@@ -321,25 +284,20 @@ class TCPStoreServer:
             log.exception("TCPStore server: dropping %s", conn.peer)
             self._drop(conn)
 
-    def _recv(self, conn: _Conn) -> None:
-        try:
-            chunk = conn.sock.recv(self._admission.recv_size(conn, _RECV_SIZE))
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            raise _Drop(str(exc)) from None
+    def _recv(self, conn: Peer) -> None:
+        chunk = recv(conn, self._admission.recv_size(conn, RECV_SIZE))
         if not chunk:
-            raise _Drop("closed by the client")
+            return
         self._admission.charge(conn, received=len(chunk))
         conn.parser.feed(chunk)
 
-    def _process(self, conn: _Conn) -> int:
+    def _process(self, conn: Peer) -> int:
         """Answer the whole requests received, but pause at the high-water mark of unread
         answers: the rest is answered as those drain, one batch per loop round. How many
         were answered."""
         answered = 0
         try:
-            while len(conn.outbuf) < _OUT_HIGH_WATER:
+            while len(conn.outbuf) < OUT_HIGH_WATER:
                 req = conn.parser.next()
                 if req is None:
                     conn.paused = False
@@ -353,33 +311,13 @@ class TCPStoreServer:
         conn.paused = conn.parser.buffered > 0
         return answered
 
-    def _send(self, conn: _Conn) -> int:
-        """Bytes sent."""
-        if not conn.outbuf:
-            return 0
-        try:
-            sent = conn.sock.send(conn.outbuf)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            raise _Drop(str(exc)) from None
-        del conn.outbuf[:sent]
-        return sent
-
-    def _update_events(self, conn: _Conn) -> None:
-        # Not reading a peer that does not read its answers makes TCP push back on it.
-        # A paused connection wants a round as soon as it can send, even with nothing
-        # left to send: its buffered requests are still to be answered.
-        reading = not conn.paused and len(conn.outbuf) < _OUT_HIGH_WATER
-        writing = conn.paused or bool(conn.outbuf)
-        events = (selectors.EVENT_READ if reading else 0) | (
-            selectors.EVENT_WRITE if writing else 0
-        )
+    def _update_events(self, conn: Peer) -> None:
+        events = wanted_events(conn)
         if events != conn.events:
             conn.events = events
             self._sel.modify(conn.sock, events, conn)
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: Peer) -> None:
         self._store.unpark(conn)
         self._admission.left(conn)
         self._timed.discard(conn)
@@ -389,7 +327,7 @@ class TCPStoreServer:
 
     # --- requests ------------------------------------------------------------------------
 
-    def _handle(self, conn: _Conn, req: wire.Request) -> None:
+    def _handle(self, conn: Peer, req: wire.Request) -> None:
         """The handshake's requests here; every other one is the store's (``store``)."""
         query = req.query
         self._admission.charge(conn, requests=1)
