@@ -66,13 +66,13 @@ def test_every_run_option_reaches_the_launch() -> None:
     """An option left out of run's table would be parsed and then silently dropped."""
     from dataclasses import fields
 
-    from elastic.cli.run import (
+    from elastic.cli.run import run_command
+    from elastic.cli.run_config import (
         COMMAND_OPTIONS,
         ENTRYPOINT_OPTIONS,
         OPTIONS,
         REJECTED_OPTIONS,
         RENDEZVOUS_OPTIONS,
-        run_command,
     )
     from elastic.core.launch.config import LaunchConfig
 

@@ -2,7 +2,10 @@
 
 A backend is a distribution's entry point in the ``elastic.rendezvous`` group whose
 object is the factory itself: ``create_handler(params) -> RendezvousHandler``. The
-registry that picks one lives in ``elastic.core.rendezvous.registry``.
+registry that picks one lives in ``elastic.core.rendezvous.registry``. The errors are
+``rendezvous_errors``'s, imported here so every backend finds them where it always did.
+
+May import ``store`` and ``rendezvous_errors``.
 """
 
 from __future__ import annotations
@@ -10,10 +13,30 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from elastic.core.interfaces.rendezvous_errors import RendezvousAuthError as RendezvousAuthError
+from elastic.core.interfaces.rendezvous_errors import (
+    RendezvousClosedError,
+    RendezvousConfigError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousFencedError,
+    RendezvousGracefulExitError,
+    RendezvousMismatchError,
+    RendezvousStateError,
+    RendezvousStoreGoneError,
+    RendezvousTimeoutError,
+    StatusNotSupportedError,
+)
+from elastic.core.interfaces.rendezvous_errors import (
+    RendezvousReusedIdError as RendezvousReusedIdError,
+)
+from elastic.core.interfaces.rendezvous_errors import (
+    RendezvousStoreMovedError as RendezvousStoreMovedError,
+)
 from elastic.core.interfaces.store import Store
 
 __all__ = [
@@ -38,62 +61,6 @@ __all__ = [
 _P = TypeVar("_P")
 
 
-class RendezvousError(Exception):
-    """Base of every rendezvous failure."""
-
-
-class RendezvousClosedError(RendezvousError):
-    """The rendezvous is closed: the job finished, late joiners should exit cleanly."""
-
-
-class RendezvousReusedIdError(RendezvousError):
-    """The run id names a job that finished before this node started: not a late node of
-    that job (which gets ``RendezvousClosedError``) but a new job given an old id."""
-
-
-class RendezvousTimeoutError(RendezvousError):
-    """The rendezvous did not complete in time."""
-
-
-class RendezvousConnectionError(RendezvousError):
-    """The rendezvous backend (its store or server) cannot be reached."""
-
-
-class RendezvousStoreGoneError(RendezvousConnectionError):
-    """The store's host answered that nothing serves the store any more (connection
-    refused or reset): its process is gone, as opposed to a host that does not answer at
-    all (a partition or a dead machine), which is a plain ``RendezvousConnectionError``."""
-
-
-class RendezvousStoreMovedError(RendezvousConnectionError):
-    """The store moved to another host while a request that cannot be sent again (an
-    ADD) was in flight: it may or may not have been applied. The store is there, so this
-    is not the end of the job: the caller's retry path takes it (the agent stops this
-    attempt's workers and rejoins, as when fenced)."""
-
-
-class RendezvousFencedError(RendezvousError):
-    """This node can no longer confirm it belongs to the current round (it cannot reach
-    the rendezvous for the liveness timeout, or the others declared it lost). It must stop
-    its workers at once, so it never trains in a world that has moved on, then rejoin."""
-
-
-class RendezvousStateError(RendezvousError):
-    """The rendezvous state is corrupt or unreadable (names the key where it can)."""
-
-
-class RendezvousGracefulExitError(RendezvousError):
-    """This node is not needed (e.g. max_nodes reached) and should exit with success."""
-
-
-class RendezvousMismatchError(RendezvousError):
-    """This node's fingerprint differs from the job's; ``fields`` names each difference."""
-
-    def __init__(self, message: str, fields: Mapping[str, tuple[Any, Any]] | None = None):
-        super().__init__(message)
-        self.fields = dict(fields or {})
-
-
 # The job's secrets in the agent's environment (``core/rendezvous/secrets.py``), for a
 # scheduler to inject: the job token (the path of a file holding it, or the token), and
 # the etcd password likewise. The agent reads them; no worker inherits them.
@@ -102,18 +69,6 @@ TOKEN_ENV = "ELASTIC_RDZV_TOKEN"
 PASSWORD_FILE_ENV = "ELASTIC_RDZV_PASSWORD_FILE"
 PASSWORD_ENV = "ELASTIC_RDZV_PASSWORD"
 AGENT_ONLY_ENV = (TOKEN_FILE_ENV, TOKEN_ENV, PASSWORD_FILE_ENV, PASSWORD_ENV)
-
-
-class RendezvousAuthError(RendezvousError):
-    """The store refused this node's job token, or asks for one this node lacks."""
-
-
-class RendezvousConfigError(RendezvousError, ValueError):
-    """A user-supplied rendezvous setting is invalid (an unknown --rdzv-conf key, say)."""
-
-
-class StatusNotSupportedError(RendezvousError):
-    """The backend cannot describe a job (``RendezvousHandler.describe``)."""
 
 
 def _config_keywords(cls: type[_P]) -> type[_P]:

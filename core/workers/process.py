@@ -9,6 +9,9 @@ forwards it. Every worker also asks the kernel for ``SIGKILL`` when the agent di
 Commands are started with ``subprocess.Popen``; Python callables with ``multiprocessing``
 (``spawn``, ``fork`` or ``forkserver``) through a bootstrap that does the same set-up
 before calling the function and sends its return value back over a pipe.
+
+May import ``numa``, ``signals``, ``boot`` and ``errorfile`` (in the child); outside
+``workers``, ``interfaces``.
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
 from elastic.core.workers import numa
-from elastic.core.workers.loop_clock import LoopClock
+
+# The agent's signals live in ``signals``; the agent loop still imports them from here.
+from elastic.core.workers.signals import DEFAULT_SIGNALS as DEFAULT_SIGNALS
+from elastic.core.workers.signals import Interrupted as Interrupted
+from elastic.core.workers.signals import SignalGuard as SignalGuard
 
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
@@ -37,9 +43,6 @@ if TYPE_CHECKING:
 PR_SET_PDEATHSIG = 1
 # "" means the agent's own stream (the console); a path means that file.
 CONSOLE = ""
-
-# What the agent forwards to its workers by default (torchrun's --signals-to-handle).
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -378,67 +381,3 @@ def stop_workers(
             code = w.reap(30.0)
         codes[w.local_rank] = code
     return codes
-
-
-class Interrupted(BaseException):
-    """Raised out of a blocking wait when the agent got a signal. A BaseException so a
-    rendezvous backend's ``except Exception`` cannot swallow it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class SignalGuard:
-    """Turns the signals the agent handles into an orderly stop.
-
-    A signal only raises ``Interrupted`` while the agent is in a blocking wait (a
-    rendezvous, the monitor's sleep); anywhere else (starting or stopping workers,
-    writing the store) it is remembered and raised at the next wait, so no half-done
-    step is left behind.
-    """
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = tuple(names)
-        self.pending: int | None = None
-        self._interruptible = False
-        self._saved: dict[int, Any] = {}
-        self.clock = LoopClock()  # the loop's pulse: every wait stamps it (liveness)
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal.signal only works there; the caller owns signals then
-        for name in self.names:
-            signum = getattr(signal, name.strip(), None)
-            if isinstance(signum, int):
-                with contextlib.suppress(ValueError, OSError):
-                    self._saved[signum] = signal.signal(signum, self._handle)
-
-    def restore(self) -> None:
-        for signum, handler in self._saved.items():
-            signal.signal(signum, handler)
-        self._saved = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.pending is None:
-            self.pending = signum
-        if self._interruptible:
-            self._interruptible = False
-            raise Interrupted(signum)
-
-    def check(self) -> None:
-        """Raise ``Interrupted`` if a signal arrived since the last wait."""
-        if self.pending is not None:
-            raise Interrupted(self.pending)
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """A blocking wait that a signal may interrupt."""
-        self._interruptible = True
-        self.clock.enter()
-        try:
-            self.check()
-            yield
-        finally:
-            self._interruptible = False
-            self.clock.leave()

@@ -13,12 +13,13 @@ reached the server: a dropped response leaves its outcome unknown, so ``call`` r
 Authentication: with a username, ``call`` fetches a token from ``/v3/auth/authenticate``
 and sends it in the ``Authorization`` header; a token the server no longer knows (expired,
 or minted by a member that restarted) is replaced once and the request retried.
+
+Owns the requests, retries, member rotation, authentication and watches. May import
+``replies`` (the replies' shape) and core's ``interfaces`` and ``plugin``.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import json
 import logging
 import ssl
@@ -35,6 +36,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.plugin.extras import needs_extra
+from elastic.plugins.rdzv_etcd_v3.replies import b64, reading_reply, reply_dict
 
 with needs_extra("the etcd-v3 rendezvous backend"):
     import urllib3
@@ -49,51 +51,6 @@ UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, FAILED_PRECONDITION = 16, 7, 5, 9
 # HTTP statuses the gateway maps transient gRPC codes to (Canceled, ResourceExhausted,
 # Unknown/Internal, Unavailable, DeadlineExceeded); 502 comes from proxies in between.
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def b64(data: bytes | str) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def unb64(text: object) -> bytes:
-    """Bytes etcd sent as base64; anything else (a tampered or truncated reply) is refused
-    in one line (``MalformedReply``), never a crash."""
-    if not text:
-        return b""
-    try:
-        if not isinstance(text, str):
-            raise TypeError(f"a {type(text).__name__}")
-        return base64.b64decode(text, validate=True)
-    except (TypeError, ValueError) as exc:
-        raise MalformedReply(f"a value that is not base64 ({exc})") from None
-
-
-class MalformedReply(RendezvousConnectionError):
-    """etcd's answer does not have the shape its API gives it: retried, or said in one
-    line, like an answer that never came."""
-
-
-def reply_dict(reply: object, field: str) -> dict[str, Any]:
-    """``reply[field]`` when both are JSON objects; ``{}`` when the field is missing."""
-    if not isinstance(reply, dict):
-        raise MalformedReply(f"a reply that is not a JSON object: {str(reply)[:60]!r}")
-    value = reply.get(field, {})
-    if not isinstance(value, dict):
-        raise MalformedReply(f"{field!r} is not a JSON object: {str(value)[:60]!r}")
-    return value
-
-
-@contextlib.contextmanager
-def reading_reply(where: str, path: str) -> Iterator[None]:
-    """Reading etcd's answer to ``path``: one of an unexpected shape is a
-    ``MalformedReply`` naming it, never an exception that ends the caller's thread."""
-    try:
-        yield
-    except MalformedReply as exc:
-        raise MalformedReply(f"etcd at {where} sent a malformed reply to {path}: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
-        what = f"{type(exc).__name__}: {exc}"[:120]
-        raise MalformedReply(f"etcd at {where} sent a malformed reply to {path} ({what})") from None
 
 
 class EtcdV3AuthError(RendezvousConnectionError):

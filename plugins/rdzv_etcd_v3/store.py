@@ -14,6 +14,9 @@ unreachable, the process stalled) the lease expires and etcd deletes every key w
 with ``heartbeat``: the keeper then grants a new lease and increments
 ``lease_lost_count``. It does not re-write the lost keys: other nodes may already have
 acted on their absence, so the round, seeing the count move, decides (rejoin, or give up).
+
+Owns the store's operations and ``store_from_params``. May import ``client``, ``lease``
+and ``replies``; core's ``interfaces`` and ``rendezvous.secrets``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from typing import Any
 from elastic.core.interfaces.coordination import WAIT_TICK, Tick
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
-    RendezvousError,
     RendezvousParameters,
     RendezvousStateError,
 )
@@ -42,9 +44,12 @@ from elastic.plugins.rdzv_etcd_v3.client import (
     DEFAULT_PORT,
     EtcdV3Client,
     LeaseNotFoundError,
-    MalformedReply,
     OutcomeUnknown,
     V3Config,
+)
+from elastic.plugins.rdzv_etcd_v3.lease import Lease
+from elastic.plugins.rdzv_etcd_v3.replies import (
+    MalformedReply,
     b64,
     reading_reply,
     reply_dict,
@@ -88,93 +93,12 @@ def _range(key: str) -> dict[str, Any]:
     return {"request_range": {"key": b64(key)}}
 
 
-class _Lease:
-    """This connection's lease: granted lazily, kept alive from a daemon thread."""
-
-    def __init__(self, client: EtcdV3Client, ttl: float) -> None:
-        self._client = client
-        self.ttl = max(1, math.ceil(ttl))
-        self.granted_ttl = self.ttl
-        self.lost_count = 0
-        self._id: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def current(self) -> int:
-        with self._lock:
-            return self._id if self._id is not None else self._grant()
-
-    def replace(self, stale: int) -> int:
-        """``stale`` is gone from the server: count the loss once and grant a new lease."""
-        with self._lock:
-            if self._id == stale:
-                self._id = None
-                self.lost_count += 1
-                log.warning(
-                    "etcd lease %x expired (no keepalive within its %ds TTL): keys written "
-                    "with heartbeat() are gone; granting a new lease",
-                    stale, self.granted_ttl,
-                )  # fmt: skip
-            return self._id if self._id is not None else self._grant()
-
-    def _grant(self) -> int:
-        if self._stop.is_set():
-            raise RendezvousConnectionError(f"the etcd store at {self._client.url} is closed")
-        reply = self._client.call("lease/grant", {"TTL": self.ttl, "ID": 0})
-        with reading_reply(self._client.url, "lease/grant"):
-            self._id, self.granted_ttl = int(reply["ID"]), int(reply.get("TTL", self.ttl))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._keep, name="etcd-v3-lease", daemon=True)
-            self._thread.start()
-        return self._id
-
-    def _keep(self) -> None:
-        failing = False
-        while not self._stop.wait(self.granted_ttl / 3):
-            with self._lock:
-                lease = self._id
-            if lease is None:
-                continue
-            beat = self.granted_ttl / 3
-            try:  # a member that does not answer within a beat is skipped, not waited for
-                reply = self._client.call(
-                    "lease/keepalive", {"ID": str(lease)}, retry_for=beat, timeout=beat
-                )
-                with reading_reply(self._client.url, "lease/keepalive"):  # no TTL: no lease
-                    expired = int(reply_dict(reply, "result").get("TTL", 0)) <= 0
-            except LeaseNotFoundError:
-                expired = True
-            except RendezvousError as exc:
-                if not failing:
-                    log.warning("etcd lease keepalive failing (will retry): %s", exc)
-                failing = True
-                continue
-            failing = False
-            if expired and not self._stop.is_set():
-                try:
-                    self.replace(lease)
-                except RendezvousError as exc:  # the next operation grants instead
-                    log.warning("could not grant a new etcd lease: %s", exc)
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._lock:
-            lease, self._id = self._id, None
-        if lease is None:
-            return
-        try:  # best effort: unrevoked, it expires after its TTL anyway
-            self._client.call("lease/revoke", {"ID": str(lease)}, retry_for=2.0)
-        except RendezvousError as exc:
-            log.debug("could not revoke etcd lease %x: %s", lease, exc)
-
-
 class _Connection:
     """What every view of one store shares."""
 
     def __init__(self, client: EtcdV3Client, root: str, lease_ttl: float) -> None:
         self.client = client
-        self.lease = _Lease(client, lease_ttl)
+        self.lease = Lease(client, lease_ttl)
         self.closed = False
         self.tokens = itertools.count(1)
         self.marker_dir = f"{root}.add/{uuid.uuid4().hex[:12]}/"

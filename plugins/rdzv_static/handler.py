@@ -21,18 +21,9 @@ connects to it as a client (``init_method="tcp://host:--master-port"`` works, as
 in every attempt), so node 0 deletes every key outside ``<run_id>/`` before it publishes
 a round (``_clear_worker_keys``): no attempt ever reads a key an earlier one left.
 
-Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
-
-    rdzv/arrivals                   counter: calls to next_rendezvous, all nodes
-    rdzv/round/<r>/node/<rank>      {"node_id", "host", "pid"}  (claimed once per rank)
-    rdzv/round/<r>/registered       counter: nodes that wrote their node key
-    rdzv/round/<r>/complete         true once every node registered (or the closed marker)
-    rdzv/round/<r>/assignment       {"round", "master_addr", "master_port", "world_size",
-                                     "members"}  (or the closed marker)
-    rdzv/job                        {"world_size"}, written by node 0 when it hosts
-    rdzv/latest                     the last assignment, with every node's record and time
-    rdzv/closed                     true once set_closed was called
-    rdzv/finished, rdzv/finished_all   shutdown counter and its "everyone is done" flag
+The store, its keys and their layout are ``store``'s; what ``elastic status`` reads,
+``status``'s. May import both; core's ``interfaces``, ``log``, ``rendezvous.net`` and
+``tcpstore.wire``.
 """
 
 from __future__ import annotations
@@ -69,27 +60,16 @@ from elastic.plugins.rdzv_static.store import (
     FINISHED_ALL,
     JOB,
     LATEST,
+    LEFT,
+    load_json,
     round_key,
 )
 
 log = logging.getLogger(__name__)
 
 _CLOSED_MARKER = json.dumps({"closed": True})
-LEFT = "rdzv/left"  # a node that was signalled: the job cannot go on without it
 # Several handlers may live in one process (tests, embedding): keep node ids distinct.
 _local_ids = itertools.count()
-
-
-def load_json(store: Store, key: str, prefix: str = "") -> Any:
-    """Read ``key`` and parse it as JSON; anything else is corrupt state, named as such."""
-    raw = store.get(key)
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RendezvousStateError(
-            f"static rendezvous state is corrupt: key {prefix + key!r} does not hold "
-            f"valid JSON ({exc}); value starts {bytes(raw[:40])!r}"
-        ) from None
 
 
 class StaticRendezvousHandler(RendezvousHandler):

@@ -1,30 +1,62 @@
 """The TCPStore side of the static backend: hosting or reaching it (torch-free, through
-``elastic.core.tcpstore``), and waiting for keys without blocking signals."""
+``elastic.core.tcpstore``), its keys, reading them, and waiting for keys without blocking
+signals.
+
+Store layout, every key under ``<run_id>/`` (values are JSON, never pickle)::
+
+    rdzv/arrivals                   counter: calls to next_rendezvous, all nodes
+    rdzv/round/<r>/node/<rank>      {"node_id", "host", "pid"}  (claimed once per rank)
+    rdzv/round/<r>/registered       counter: nodes that wrote their node key
+    rdzv/round/<r>/complete         true once every node registered (or the closed marker)
+    rdzv/round/<r>/assignment       {"round", "master_addr", "master_port", "world_size",
+                                     "members"}  (or the closed marker)
+    rdzv/job                        {"world_size"}, written by node 0 when it hosts
+    rdzv/latest                     the last assignment, with every node's record and time
+    rdzv/closed                     true once set_closed was called
+    rdzv/finished, rdzv/finished_all   shutdown counter and its "everyone is done" flag
+    rdzv/left                       a node that was signalled: the job cannot go on
+
+May import core's ``interfaces`` and ``tcpstore``.
+"""
 
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import time
 from datetime import timedelta
 from typing import Any
 
-from elastic.core.interfaces.rendezvous import RendezvousConnectionError
-from elastic.core.interfaces.store import StoreTimeoutError
+from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStateError
+from elastic.core.interfaces.store import Store, StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 
-# The store layout, every key under "<run_id>/" (see handler.py's docstring).
+# The store layout, every key under "<run_id>/" (see the module).
 ARRIVALS = "rdzv/arrivals"
 CLOSED = "rdzv/closed"
 LATEST = "rdzv/latest"
 JOB = "rdzv/job"
 FINISHED = "rdzv/finished"
 FINISHED_ALL = "rdzv/finished_all"
+LEFT = "rdzv/left"  # a node that was signalled: the job cannot go on without it
 
 
 def round_key(round_: int, name: str) -> str:
     return f"rdzv/round/{round_}/{name}"
+
+
+def load_json(store: Store, key: str, prefix: str = "") -> Any:
+    """Read ``key`` and parse it as JSON; anything else is corrupt state, named as such."""
+    raw = store.get(key)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousStateError(
+            f"static rendezvous state is corrupt: key {prefix + key!r} does not hold "
+            f"valid JSON ({exc}); value starts {bytes(raw[:40])!r}"
+        ) from None
 
 
 def poll_for(store: Any, key: str, timeout: timedelta) -> None:

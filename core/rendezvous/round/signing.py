@@ -21,6 +21,8 @@ never read: a node that joins after the replay sees the replayed value until a n
 knew better reads it again; and a node that never read a record a stranger deleted
 writes it again from absent (a newer version: the others follow it).
 With no token the view passes everything through.
+
+May import core's ``interfaces`` only (the bottom of the round).
 """
 
 from __future__ import annotations
@@ -99,11 +101,8 @@ def unseal(token: bytes | None, run_id: str, key: str, raw: bytes) -> bytes | No
     if not raw.startswith(_MAGIC) or raw[_SIG_END : _SIG_END + 1] != b":":
         return None
     value = raw[_SIG_END + 1 :]
-    return (
-        value
-        if _signature_holds(raw[len(_MAGIC) : _SIG_END], mac(token, run_id, key, value))
-        else None
-    )
+    holds = _signature_holds(raw[len(_MAGIC) : _SIG_END], mac(token, run_id, key, value))
+    return value if holds else None
 
 
 def unseal_versioned(token: bytes, run_id: str, key: str, raw: bytes) -> tuple[int, bytes] | None:
@@ -115,10 +114,8 @@ def unseal_versioned(token: bytes, run_id: str, key: str, raw: bytes) -> tuple[i
     if not colon or not digits.isdigit() or len(digits) > _VERSION_DIGITS:
         return None
     version = int(digits)
-    sig = raw[len(_MAGIC) : _SIG_END]
-    return (
-        (version, value) if _signature_holds(sig, mac(token, run_id, key, value, version)) else None
-    )
+    expected = mac(token, run_id, key, value, version)
+    return (version, value) if _signature_holds(raw[len(_MAGIC) : _SIG_END], expected) else None
 
 
 def parse_counter(raw: bytes) -> int | None:
