@@ -1,5 +1,14 @@
 """A TCPStore connection that reconnects, and a ``CoordinationStore`` view of it under a
-key prefix: what the c10d and static backends (and ``elastic status``) use."""
+key prefix: what the c10d and static backends (and ``elastic status``) use.
+
+Where a store that can move went is not decided here: ``Locator`` is the hook, and the
+c10d plugin's succession (``plugins/rdzv_c10d/succession.py``) implements it, with every
+rule of a handover (standby marks, the wait for one under way, the run's identity and
+generations). This module knows only what the wire says: which requests can be sent
+again, and which get no answer.
+
+May import ``client``; outside ``tcpstore``, ``interfaces``.
+"""
 
 from __future__ import annotations
 
