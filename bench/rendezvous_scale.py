@@ -108,9 +108,9 @@ class Phases:
         # (module under elastic.core.rendezvous.round, class, method, mark before, after)
         ("handler", "RoundRendezvousHandler", "next_rendezvous", "entered", "returned"),
         ("monitor", "Monitor", "start", None, "monitor started (first keep-alive, threads)"),
-        ("protocol", "RoundProtocol", "_find_coordinator", "joined (slot, record)", None),
-        ("protocol", "RoundProtocol", "publish", None, "outcome published"),
-        ("protocol", "RoundProtocol", "_await", None, "outcome seen"),
+        ("joining", "Joiner", "find_coordinator", "joined (slot, record)", None),
+        ("publishing", "RoundOutcomes", "publish", None, "outcome published"),
+        ("joining", "Joiner", "await_outcome", None, "outcome seen"),
     )
 
     def __init__(self) -> None:
