@@ -2,7 +2,9 @@
 
 Owns the command and its flags; how their values become the launch is ``run_config``'s.
 May import the CLI's ``options``, ``plugin_options``, ``slurm``, ``dry_run`` and
-``run_config``; outside the CLI, ``core.launch``, ``core.log`` and ``core.workers``.
+``run_config``; outside the CLI, ``core.launch``, ``core.log``, ``core.workers`` and,
+for the errors a launch ends with, ``core.interfaces``, ``core.plugin`` and
+``core.watchdog``.
 """
 
 from __future__ import annotations
