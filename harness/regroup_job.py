@@ -1,6 +1,6 @@
 """The in-place regroup job on a simulated cluster (``tests/test_regroup_multihost.py``,
 ``bench/regroup.py``): an ``elastic.train`` worker on gloo (``REGROUP_WORKER``), the
-events it writes (``read_events`` of ``elastic.testing.preemption_job``) and the job that
+events it writes (``read_events`` of ``elastic.harness.preemption_job``) and the job that
 runs it on every host (``regroup_job``).
 
 The state is an integer accumulator: step ``s`` adds the sum over 12 items of an integer
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import START_RECORD, FaultJob, c10d_script_job
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
 
 REGROUP_WORKER = (
     """\

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.restarts import claim_restart, job_failed, restarts_used
 from elastic.core.interfaces import failures as fail
@@ -34,6 +33,7 @@ from elastic.core.watchdog.job_channel import PROGRESS_KEY, STALL_MARK, JobStall
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.testing.conformance import by_rank, round_members
+from elastic.testing.waits import wait_until
 
 FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
 JOB = "elastic/job/"  # where the c10d backend keeps job "job"'s keys
@@ -361,7 +361,7 @@ def outside_address() -> str | None:
 def test_an_open_store_on_the_network_is_said_once(
     capfd: pytest.CaptureFixture[str], token_file: str
 ) -> None:
-    from conftest import free_port
+    from elastic.testing.ports import free_port
 
     addr = outside_address()
     if addr is None:

@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import raw, wait_until
 from elastic.core.interfaces.rendezvous import RendezvousInfo, RendezvousParameters
 from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
+from elastic.harness.store_sockets import raw
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+from elastic.testing.waits import wait_until
 
 TOKEN = b"the-job-token-of-32-bytes-or-so!"
 # A member connects to rank 0 a heartbeat interval after a round forms: 1 s, twice the

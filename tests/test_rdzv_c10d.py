@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_until
 from elastic.core.agent.restarts import claim_restart
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
@@ -30,6 +29,8 @@ from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.store import parse_endpoint
 from elastic.testing.conformance import by_rank, round_members
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
 

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_until
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -39,6 +38,8 @@ from elastic.plugins.rdzv_c10d.succession import (
     wire_key,
 )
 from elastic.testing.conformance import round_members
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
 Make = Callable[..., C10dRendezvousHandler]

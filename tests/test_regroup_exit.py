@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Processes, wait_until
+from elastic.harness.processes import Processes
 from elastic.testing.etcd import EtcdCluster
 from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 pytest_plugins = ["elastic.testing.etcd"]
 

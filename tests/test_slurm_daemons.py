@@ -1,5 +1,5 @@
 """``elastic run`` under a real SLURM (issue 35): munge, slurmctld and one slurmd per
-simulated host (``elastic.testing.slurm``), jobs submitted with the real ``srun``,
+simulated host (``elastic.harness.slurm``), jobs submitted with the real ``srun``,
 ``sbatch``, ``scancel`` and ``scontrol``, on three hosts with their own names and addresses.
 
 - ``srun -N2 --ntasks-per-node=1 elastic run --nproc-per-node=2`` is one job of 4 workers
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.multihost import ETCD_CLIENT_PORT, start_etcd
-from elastic.testing.preemption_job import PREEMPT_WORKER, read_events
-from elastic.testing.slurm import (  # noqa: F401  (the fixtures)
+from elastic.harness.multihost import ETCD_CLIENT_PORT, start_etcd
+from elastic.harness.preemption_job import PREEMPT_WORKER, read_events
+from elastic.harness.slurm import (  # noqa: F401  (the fixtures)
     SlurmCluster,
     slurm_cluster,
     slurm_fixture,

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import name_mapped_addresses
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import name_mapped_addresses
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Processes
+from elastic.harness.processes import Processes
 from elastic.testing.etcd import EtcdCluster
 from elastic.training import tenure
 from elastic.training.state import State
