@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from campaign_check import Fault, check, plan  # noqa: E402
+from elastic.harness.accumulator import ACCUMULATOR_STATE  # noqa: E402
 from elastic.harness.benchmarking import in_scratch_dir  # noqa: E402
 from elastic.harness.cluster import Cluster, Host, cluster_available  # noqa: E402
 from elastic.harness.multihost import (  # noqa: E402
@@ -99,16 +100,10 @@ def note(event, step, **kw):
     os.write(events, (json.dumps(line) + "\\n").encode())  # one O_APPEND write per line
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
         global world_id
         every = [None] * world_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from elastic.harness.accumulator import ACCUMULATOR_STATE
 from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
 
@@ -69,16 +70,10 @@ steps, pause = int(sys.argv[1]), float(sys.argv[2])
 in_place = sys.argv[3:] != ["restart"]  # "restart": today's path, for the bench
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
         every = [None] * world_size
         dist.all_gather_object(every, self.capture_snapshot())
