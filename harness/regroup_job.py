@@ -75,8 +75,7 @@ in_place = sys.argv[3:] != ["restart"]  # "restart": today's path, for the bench
     + """
 class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         self.apply_snapshot(max(every, key=lambda s: s["step"]))  # the most tenured
         note("sync", self.step)
 

@@ -76,8 +76,7 @@ out = os.environ["OUT"]
     + """
 class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         self.apply_snapshot(every[elastic.tenured_rank()])
 
 

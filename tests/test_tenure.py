@@ -103,8 +103,7 @@ def note(event, **kw):
     + """
 class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         if good:
             source = elastic.tenured_rank()
         else:  # a wrong sync: the least advanced rank's state
