@@ -9,6 +9,7 @@ import email
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -107,9 +108,15 @@ def test_the_version_has_one_source() -> None:
     importlib.util.find_spec("setuptools") is None, reason="no setuptools to build with"
 )
 def test_the_wheel_carries_licence_types_classifiers_and_the_kit(tmp_path: Path) -> None:
+    # From a copy without build/: setuptools builds in the tree and never empties
+    # build/lib, so a module that was once in the package would ship again.
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO, source, ignore=shutil.ignore_patterns("build", ".*", "__pycache__", "*.egg-info")
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(tmp_path), str(REPO)],
+        + ["-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=300,
