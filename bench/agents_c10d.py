@@ -45,15 +45,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
     command_line,
     sample_stats,
     write_report,
 )
+from elastic.harness.processes import kill_tree, launcher_cmd, proc_status_kb
 from elastic.testing.ports import free_port
-from elastic.testing.processes import kill_tree, launcher_cmd, proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "allreduce.py"

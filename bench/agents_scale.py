@@ -75,7 +75,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
     command_line,
@@ -83,8 +83,7 @@ from elastic.testing.benchmarking import (
     wait_for_quiet,
     write_report,
 )
-from elastic.testing.ports import free_port, listening_pid
-from elastic.testing.processes import (
+from elastic.harness.processes import (
     kill_tree,
     launcher_cmd,
     mem_available_mb,
@@ -93,7 +92,8 @@ from elastic.testing.processes import (
     raise_nofile,
     sigkill_group,
 )
-from elastic.testing.records import read_records
+from elastic.harness.records import read_records
+from elastic.testing.ports import free_port, listening_pid
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "probe.py"

@@ -2,7 +2,7 @@
 of SIGTERMs, SIGKILLs, cable cuts, replacement nodes and store-host events, checked for
 correctness and measured for goodput.
 
-Each run makes a ``elastic.testing.cluster`` cluster (4 job hosts, plus 3 etcd members for
+Each run makes a ``elastic.harness.cluster`` cluster (4 job hosts, plus 3 etcd members for
 etcd-v3), runs the job undisturbed for ``--baseline`` s to measure its steps per second,
 then runs it again under the schedule that ``--seed`` draws (``campaign_check.plan``), lets
 it settle, stops it, and hands the workers' event log to ``campaign_check.check``. The job
@@ -39,16 +39,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from campaign_check import Fault, check, plan  # noqa: E402
-from elastic.testing.benchmarking import in_scratch_dir  # noqa: E402
-from elastic.testing.cluster import Cluster, Host, cluster_available  # noqa: E402
-from elastic.testing.multihost import (  # noqa: E402
+from elastic.harness.accumulator import ACCUMULATOR_STATE  # noqa: E402
+from elastic.harness.benchmarking import in_scratch_dir  # noqa: E402
+from elastic.harness.cluster import Cluster, Host, cluster_available  # noqa: E402
+from elastic.harness.multihost import (  # noqa: E402
     C10D_PORT,
     START_RECORD,
     FaultJob,
     etcd_endpoint,
     start_etcd,
 )
-from elastic.testing.preemption_job import read_events  # noqa: E402
+from elastic.harness.preemption_job import read_events  # noqa: E402
 from elastic.testing.waits import wait_until  # noqa: E402
 
 JOB_HOSTS = 4
@@ -99,16 +100,10 @@ def note(event, step, **kw):
     os.write(events, (json.dumps(line) + "\\n").encode())  # one O_APPEND write per line
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
         global world_id
         every = [None] * world_size

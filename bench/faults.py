@@ -4,9 +4,9 @@ For each way a node can leave (its agent gets SIGTERM, the whole node is SIGKILL
 the job trains or as soon as its round's workers started, its cable is cut; the same for
 node 0, which hosts the c10d store; two of four nodes SIGTERMed 0.5 s apart) and each
 launcher/backend (torchrun 2.13 with c10d; ours with c10d, and with etcd-v3, etcd-v2 and
-etcd on a fourth host), a fresh ``elastic.testing.cluster``
+etcd on a fourth host), a fresh ``elastic.harness.cluster``
 cluster runs a ``--nnodes=2:3 --nproc-per-node=1 --max-restarts=3`` job, one agent per host, started
-together. Workers (``elastic.testing.multihost.WORKER`` with gloo) write a start record
+together. Workers (``elastic.harness.multihost.WORKER`` with gloo) write a start record
 before importing anything, then all-reduce every 0.1 s (noting each finished collective),
 so a lost peer is seen the way a real job sees it. Once the 3-node job runs, node 2 (never
 the c10d store's host) gets the fault; the cell is the time from the fault to the last
@@ -47,9 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import in_scratch_dir
-from elastic.testing.cluster import Cluster, Host, cluster_available
-from elastic.testing.multihost import C10D_PORT, ExitWatch, FaultJob, serve_rendezvous
+from elastic.harness.benchmarking import in_scratch_dir
+from elastic.harness.cluster import Cluster, Host, cluster_available
+from elastic.harness.multihost import C10D_PORT, ExitWatch, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 IMPLS = {  # column -> (launcher, backend)

@@ -361,6 +361,38 @@ class _Pool:
 _STATUSES = (200, 200, 200, 201, 400, 401, 403, 404, 412, 500, 503)
 
 
+def _reads_and_writes(store: Any) -> tuple[Callable[[], object], ...]:
+    """The ops every etcd store parses a reply of: a multi-get, both compare-and-sets, adds."""
+    return (
+        lambda: store.multi_get(["a", "b"]),
+        lambda: store.compare_set("a", b"x", b"y"),
+        lambda: store.compare_set("a", b"", b"y"),
+        lambda: store.add("c", 1),
+        lambda: store.add("c", 0),
+    )
+
+
+def _answer_every_op(
+    pool: _Pool,
+    data: bytes,
+    ops: tuple[Callable[[], object], ...],
+    slow: tuple[Callable[[], object], ...],
+    refusals: tuple[type[Exception], ...],
+) -> None:
+    """One input against a store whose transport is ``pool``: the first byte picks the
+    reply's status, the rest is the body every op parses; the first byte's top bit adds the
+    ``slow`` ops (waits and watches, which pause when they fail: half the inputs).
+    ``refusals`` are the errors that are the ops' logical outcomes."""
+    if not data:
+        return
+    pool.status, pool.body = _STATUSES[data[0] % len(_STATUSES)], data[1:]
+    for op in ops + (slow if data[0] & 0x80 else ()):
+        try:
+            op()
+        except refusals:
+            pass
+
+
 @target("etcd-v3-reply")
 def etcd_v3_reply() -> OneInput:
     """etcd v3 JSON gateway replies (client.py, store.py): every store operation and a
@@ -375,27 +407,17 @@ def etcd_v3_reply() -> OneInput:
     pool = _Pool()
     store._conn.client._pool = pool  # noqa: SLF001  (the transport is the fuzzer)
 
+    ops: tuple[Callable[[], object], ...] = (
+        *_reads_and_writes(store),
+        lambda: store.delete_key("a"),
+        lambda: store.get("a"),
+        lambda: store.heartbeat("h", b"1"),
+    )
+    # a watch stream too (a failed one pauses 50 ms)
+    slow = (lambda: list(store._conn.client.watch(b"a", b"b", 1, 0.05)),)  # noqa: SLF001
+
     def one(data: bytes) -> None:
-        if not data:
-            return
-        pool.status, pool.body = _STATUSES[data[0] % len(_STATUSES)], data[1:]
-        ops: tuple[Callable[[], object], ...] = (
-            lambda: store.multi_get(["a", "b"]),
-            lambda: store.compare_set("a", b"x", b"y"),
-            lambda: store.compare_set("a", b"", b"y"),
-            lambda: store.add("c", 1),
-            lambda: store.add("c", 0),
-            lambda: store.delete_key("a"),
-            lambda: store.get("a"),
-            lambda: store.heartbeat("h", b"1"),
-        )
-        if data[0] & 0x80:  # a watch stream too (a failed one pauses 50 ms: half the inputs)
-            ops += (lambda: list(store._conn.client.watch(b"a", b"b", 1, 0.05)),)  # noqa: SLF001
-        for op in ops:
-            try:
-                op()
-            except (RendezvousError, StoreTimeoutError):
-                pass
+        _answer_every_op(pool, data, ops, slow, (RendezvousError, StoreTimeoutError))
         store._conn.lease._id = None  # noqa: SLF001  (grant again: parse that reply too)
 
     return one
@@ -416,30 +438,21 @@ def etcd_v2_reply() -> OneInput:
         member.http = pool
     store = EtcdStore(client, "/fuzz", timeout=timedelta(seconds=0.01))
 
+    ops: tuple[Callable[[], object], ...] = (
+        *_reads_and_writes(store),
+        lambda: store.check(["a"]),
+        lambda: store.delete_key("a"),
+        lambda: store.get("a"),
+    )
+    slow = (  # waits and watches too (a failed one pauses)
+        lambda: store.wait(["a"], timedelta(seconds=0.01)),
+        lambda: client.watch("/fuzz/a", None, 0.01),
+    )
+    # python-etcd's own errors are its logical outcomes (not found...)
+    refusals = (RendezvousError, StoreTimeoutError, etcd.EtcdException)
+
     def one(data: bytes) -> None:
-        if not data:
-            return
-        pool.status, pool.body = _STATUSES[data[0] % len(_STATUSES)], data[1:]
-        ops: tuple[Callable[[], object], ...] = (
-            lambda: store.multi_get(["a", "b"]),
-            lambda: store.compare_set("a", b"x", b"y"),
-            lambda: store.compare_set("a", b"", b"y"),
-            lambda: store.add("c", 1),
-            lambda: store.add("c", 0),
-            lambda: store.check(["a"]),
-            lambda: store.delete_key("a"),
-            lambda: store.get("a"),
-        )
-        if data[0] & 0x80:  # waits and watches too (a failed one pauses: half the inputs)
-            ops += (
-                lambda: store.wait(["a"], timedelta(seconds=0.01)),
-                lambda: client.watch("/fuzz/a", None, 0.01),
-            )
-        for op in ops:
-            try:
-                op()
-            except (RendezvousError, StoreTimeoutError, etcd.EtcdException):
-                pass  # python-etcd's own errors are its logical outcomes (not found...)
+        _answer_every_op(pool, data, ops, slow, refusals)
 
     return one
 

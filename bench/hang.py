@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import add_report_options, bench_env, sample_stats, write_report
-from elastic.testing.processes import kill_tree, launcher_cmd
+from elastic.harness.benchmarking import add_report_options, bench_env, sample_stats, write_report
+from elastic.harness.processes import kill_tree, launcher_cmd
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "hang.py"

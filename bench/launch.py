@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
     command_line,
     sample_stats,
     write_report,
 )
-from elastic.testing.processes import proc_status_kb
+from elastic.harness.processes import proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "workers" / "probe.py"

@@ -1,11 +1,11 @@
 """Preemption on a simulated 3-host network: steps lost and time to resume, torchrun
 against ours.
 
-Each run gets a fresh ``elastic.testing.cluster`` cluster (3 hosts, own addresses and
+Each run gets a fresh ``elastic.harness.cluster`` cluster (3 hosts, own addresses and
 names) and one agent per host: ``--nnodes=2:3 --nproc-per-node=1 --rdzv-backend=c10d
 --max-restarts=3``, the c10d store on host 0, ``last_call_timeout=1``, both launchers with
 their default liveness settings and ``RES_OPTIONS="timeout:1 attempts:1"``. The same script
-runs under both (``elastic.testing.multihost.PREEMPT_WORKER``): a gloo DDP job on CPU that
+runs under both (``elastic.harness.multihost.PREEMPT_WORKER``): a gloo DDP job on CPU that
 sleeps ``--pause`` s per step, checkpoints every ``--every`` steps (rank 0 saves atomically,
 then a barrier) and also asks ``elastic.checkpoint_requested()`` every step with one
 all_reduce MAX, saving on notice (always False under torchrun, which has no notice: its job
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_report_options,
     command_line,
     commit,
@@ -55,8 +55,8 @@ from elastic.testing.benchmarking import (
     wait_for_quiet,
     write_runs_report,
 )
-from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.preemption_job import last_step, preempt_job, read_events
+from elastic.harness.cluster import Cluster, cluster_available
+from elastic.harness.preemption_job import last_step, preempt_job, read_events
 from elastic.testing.waits import wait_until
 
 IMPLS = {"torchrun": "torchrun (c10d)", "ours": "ours (c10d)"}

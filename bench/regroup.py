@@ -2,11 +2,11 @@
 change, regrouped in place (ours), restarted (ours with ``regroup_in_place=False``: the
 path every script took before) and under torchrun.
 
-Each run gets a fresh ``elastic.testing.cluster`` cluster (3 hosts) and one agent per
+Each run gets a fresh ``elastic.harness.cluster`` cluster (3 hosts) and one agent per
 host: ``--nnodes=2:3 --nproc-per-node=1 --rdzv-backend=c10d --max-restarts=3``, the c10d
 store on host 0, ``last_call_timeout=1``, default liveness settings and
 ``RES_OPTIONS="timeout:1 attempts:1"``. The script is
-``elastic.testing.regroup_job.REGROUP_WORKER``: ``elastic.train`` on gloo, no
+``elastic.harness.regroup_job.REGROUP_WORKER``: ``elastic.train`` on gloo, no
 checkpointer, ``--pause`` s per step, an integer state that ends bit-identical to an
 unbroken run's whatever the membership did. Once the job has done ``--at`` steps:
 
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_report_options,
     command_line,
     commit,
@@ -49,9 +49,9 @@ from elastic.testing.benchmarking import (
     wait_for_quiet,
     write_runs_report,
 )
-from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.preemption_job import read_events
-from elastic.testing.regroup_job import REGROUP_WORKER, regroup_job
+from elastic.harness.cluster import Cluster, cluster_available
+from elastic.harness.preemption_job import read_events
+from elastic.harness.regroup_job import REGROUP_WORKER, regroup_job
 from elastic.testing.waits import wait_until
 
 IMPLS = {"ours": "ours, in place", "restart": "ours, restart", "torchrun": "torchrun (c10d)"}

@@ -26,15 +26,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_rendezvous_scale_options,
     add_torch_runs,
     rendezvous_summary,
     shut_down,
     time_rendezvous,
 )
+from elastic.harness.processes import raise_nofile
 from elastic.testing.ports import free_port
-from elastic.testing.processes import raise_nofile
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # before any resolver use
 

@@ -2,7 +2,7 @@
 
     python bench/rendezvous_scale_etcd.py --backend etcd-v2 --nodes 64 --repeat 3
 
-Same CLI, JSON shape and timing helpers (``elastic.testing.benchmarking``) as
+Same CLI, JSON shape and timing helpers (``elastic.harness.benchmarking``) as
 bench/rendezvous_scale.py. Runs N of our handlers and N of torch's equivalent (``etcd-v2``
 and ``etcd-v3``: torch's DynamicRendezvousHandler over its EtcdRendezvousBackend, v2 API:
 torch has no v3 backend; ``etcd``: torch's EtcdRendezvousHandler) against the same freshly
@@ -21,15 +21,15 @@ import signal
 import sys
 from typing import Any
 
-from elastic.testing.benchmarking import (
+from elastic.harness.benchmarking import (
     add_rendezvous_scale_options,
     add_torch_runs,
     rendezvous_summary,
     shut_down,
     time_rendezvous,
 )
+from elastic.harness.processes import raise_nofile
 from elastic.testing.etcd import EtcdCluster
-from elastic.testing.processes import raise_nofile
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # as in rendezvous_scale.py
 

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import add_report_options, bench_env, command_line, write_report
-from elastic.testing.processes import descendants, kill_tree, launcher_cmd
+from elastic.harness.benchmarking import add_report_options, bench_env, command_line, write_report
+from elastic.harness.processes import descendants, kill_tree, launcher_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_train.py"

@@ -1,12 +1,12 @@
 """Under a real SLURM, torchrun against ours: one srun step, and the whole step SIGTERMed.
 
-One SLURM for the whole bench (``elastic.testing.slurm``: munge, slurmctld and a slurmd
+One SLURM for the whole bench (``elastic.harness.slurm``: munge, slurmctld and a slurmd
 on each of 3 simulated hosts with their own names and addresses). Per launcher and run:
 
 - one job: ``srun -N2 --ntasks-per-node=1 <launcher> --nproc-per-node=2 w.py``, nothing
   else on the line (what a user types first): how many jobs form (distinct
   ``MASTER_ADDR:MASTER_PORT`` among the workers), their world sizes, and srun's wall time;
-- whole step SIGTERMed: the same step running ``elastic.testing.preemption_job``'s
+- whole step SIGTERMed: the same step running ``elastic.harness.preemption_job``'s
   ``PREEMPT_WORKER`` (gloo DDP on CPU, ``--pause`` s per step, a periodic checkpoint every
   ``--every`` steps, and ``elastic.checkpoint_requested()`` every step, which is always
   False under torchrun), torchrun given what makes it one job under SLURM
@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.benchmarking import command_line, commit, spread, write_runs_report
-from elastic.testing.cluster import Cluster, cluster_available
-from elastic.testing.preemption_job import PREEMPT_WORKER, read_events
-from elastic.testing.slurm import SlurmCluster, slurm_available
+from elastic.harness.benchmarking import command_line, commit, spread, write_runs_report
+from elastic.harness.cluster import Cluster, cluster_available
+from elastic.harness.preemption_job import PREEMPT_WORKER, read_events
+from elastic.harness.slurm import SlurmCluster, slurm_available
 from elastic.testing.waits import wait_until
 
 IMPLS = ("torchrun", "ours")

@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_spec, pid_alive
-from conftest import write_script as script
 from elastic.core.agent.loop import LocalElasticAgent
 from elastic.core.agent.restarts import restarts_used
 from elastic.core.interfaces.job_keys import FAILED_KEY
@@ -27,6 +25,9 @@ from elastic.core.plugin.config import ElasticConfig
 from elastic.core.plugin.hookspecs import hookimpl
 from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.harness.commands import write_script as script
+from elastic.harness.processes import pid_alive
+from elastic.harness.worker_specs import make_spec
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
 Real agents (``python -m elastic run``), one per host of three hosts of one cluster shared
 by every test here, on c10d (the store hosted by the agent on host 0) or etcd-v3 (one
-member on a fourth host), one worker per node (``elastic.testing.multihost.WORKER``,
+member on a fourth host), one worker per node (``elastic.harness.multihost.WORKER``,
 behind a prelude that fails it when asked):
 
 - a node with a broken environment (its worker cannot import a module) joins a running
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster, Host, require_cluster
-from elastic.testing.multihost import WORKER, FaultJob, etcd_endpoint, start_etcd, wait_until
+from elastic.harness.cluster import Cluster, Host, require_cluster
+from elastic.harness.multihost import WORKER, FaultJob, etcd_endpoint, start_etcd, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import make_spec
-from conftest import write_script as script
 from elastic.core.agent.loop import LocalElasticAgent
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
@@ -17,6 +15,8 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.interfaces.spec import RunResult, WorkerState
 from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.harness.commands import write_script as script
+from elastic.harness.worker_specs import make_spec
 
 
 # --- several nodes sharing one job store -------------------------------------------------

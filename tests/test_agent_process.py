@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import pid_alive, wait_until
-from conftest import write_script as script
+from elastic.harness.commands import write_script as script
+from elastic.harness.processes import pid_alive
+from elastic.testing.waits import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -162,7 +163,8 @@ def test_cli_worker_env_matches_torchrun(tmp_path: Path, backend: str) -> None:
     --standalone (torchrun's c10d) torchrun's workers share its agent's store and ours
     get a fresh one per round (``TORCHELASTIC_USE_AGENT_STORE`` True vs False); with
     static (torchrun's default) both use node 0's store on --master-port."""
-    from conftest import cli_env, free_port, run_elastic
+    from elastic.harness.commands import cli_env, run_elastic
+    from elastic.testing.ports import free_port
 
     dump = script(tmp_path, "dump_env.py", DUMP_ENV)
     env = cli_env()
@@ -240,7 +242,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_cli_gloo_job_restarts_on_a_fresh_port(tmp_path: Path) -> None:
-    from conftest import run_elastic
+    from elastic.harness.commands import run_elastic
 
     gloo = script(tmp_path, "gloo.py", GLOO)
     proc = run_elastic(
@@ -260,7 +262,7 @@ def test_cli_gloo_job_restarts_on_a_fresh_port(tmp_path: Path) -> None:
 
 
 def test_cli_failure_and_sigterm(tmp_path: Path, procs: Any) -> None:
-    from conftest import run_elastic
+    from elastic.harness.commands import run_elastic
 
     failing = script(tmp_path, "f.py", "import sys\nsys.exit(7)\n")
     proc = run_elastic("run", "--standalone", "--nproc-per-node=1", "--max-restarts=1", failing)

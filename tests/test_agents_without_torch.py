@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, cli_env, free_port
+from elastic.harness.commands import REPO, cli_env
+from elastic.testing.ports import free_port
 
 pytest_plugins = ["elastic.testing.etcd"]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, cli_env
 from elastic import (
     ChildFailedError,
     LaunchConfig,
@@ -27,6 +26,7 @@ from elastic import (
 from elastic.api import launch_config_for
 from elastic.core.rendezvous.local import LocalRendezvousHandler
 from elastic.core.rendezvous.registry import BACKENDS
+from elastic.harness.commands import REPO, cli_env
 
 
 def one_node(**kwargs: Any) -> LaunchConfig:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.restarts import claim_restart, job_failed, restarts_used
 from elastic.core.interfaces import failures as fail
@@ -31,11 +30,18 @@ from elastic.core.rendezvous.round.signing import SignedStore
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.core.watchdog.job_channel import PROGRESS_KEY, STALL_MARK, JobStallChannel
+from elastic.harness.c10d_handlers import (
+    FAST,
+    Make,
+    c10d_handlers,
+    rendezvous_all,
+    write_token_file,
+)
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.testing.conformance import by_rank, round_members
+from elastic.testing.waits import wait_until
 
-FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
 JOB = "elastic/job/"  # where the c10d backend keeps job "job"'s keys
 TOKEN = b"the-job-token"
 
@@ -58,36 +64,14 @@ def torch_served(port: int) -> Iterator[Any]:
 
 @pytest.fixture
 def token_file(tmp_path: Path) -> str:
-    path = tmp_path / "token"
-    path.write_bytes(TOKEN + b"\n")
-    path.chmod(0o600)  # a token file others may read is refused
-    return str(path)
-
-
-Make = Callable[..., C10dRendezvousHandler]
+    return write_token_file(tmp_path / "token", TOKEN + b"\n")
 
 
 @pytest.fixture
 def make(port: int, token_file: str) -> Iterator[Make]:
-    made: list[C10dRendezvousHandler] = []
-
-    def factory(n: int = 2, **conf: str) -> C10dRendezvousHandler:
-        config = {**FAST, "token_file": token_file, **conf}
-        params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "job", n, n, config=config)
-        handler = create_handler(params)
-        assert isinstance(handler, C10dRendezvousHandler)
-        made.append(handler)
-        return handler
-
-    yield factory
-    for handler in sorted(made, key=lambda h: h.is_hosting):
-        handler.shutdown()
-
-
-def rendezvous_all(handlers: list[C10dRendezvousHandler]) -> list[RendezvousInfo]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        futures = [pool.submit(h.next_rendezvous) for h in handlers]
-        return [f.result(timeout=30) for f in futures]
+    """``make(n=2, **conf)``: a node of an ``n``-node job with the token."""
+    with c10d_handlers(port, config={**FAST, "token_file": token_file}) as make_handler:
+        yield lambda n=2, **conf: make_handler(n, **conf)
 
 
 @pytest.fixture
@@ -95,7 +79,7 @@ def job(torch_served: Any, make: Make) -> tuple[list[C10dRendezvousHandler], lis
     """Two nodes with the token in round 0, on a store anyone can write to (torch's:
     ``is_host=false`` says the store is external, so one that cannot prove the token)."""
     handlers = [make(is_host="false"), make(is_host="false")]
-    infos = rendezvous_all(handlers)
+    infos = rendezvous_all(handlers, timeout=30)
     assert not any(h.is_hosting for h in handlers)  # torch serves it
     return handlers, infos
 
@@ -146,7 +130,7 @@ def test_a_forged_abandoned_round_is_ignored(job: Any, torch_served: Any) -> Non
     handlers, _ = job
     forged = R.Assignment(round=1, state="abandoned").to_json()
     torch_served.set(JOB + "rdzv/" + R.assignment_key(1), forged)
-    infos = rendezvous_all(handlers)
+    infos = rendezvous_all(handlers, timeout=30)
     assert {i.round for i in infos} == {1}  # not pushed on to round 2
 
 
@@ -155,7 +139,7 @@ def test_a_replayed_assignment_is_ignored(job: Any, torch_served: Any) -> None:
     # The round-0 assignment, signed with the real token, copied to round 1.
     signed = torch_served.get(JOB + "rdzv/" + R.assignment_key(0))
     torch_served.set(JOB + "rdzv/" + R.assignment_key(1), signed)
-    infos = rendezvous_all(handlers)
+    infos = rendezvous_all(handlers, timeout=30)
     assert {i.round for i in infos} == {1}
     assert infos[0].master_port != first[0].master_port or infos[0].round != first[0].round
     asg = handlers[0].protocol.read_assignment(1)
@@ -196,7 +180,7 @@ def test_a_forged_join_cannot_take_rank_0(torch_served: Any, make: Make) -> None
     forged = {"id": "evil:1:x", "host": "evil", "addr": "10.9.9.9", "port": 1, "round": 0}
     torch_served.set(JOB + "rdzv/" + R.join_key(0, slot), json.dumps({**forged, "rank_hint": 0}))
     handlers = [make(is_host="false"), make(is_host="false")]
-    infos = rendezvous_all(handlers)
+    infos = rendezvous_all(handlers, timeout=30)
     assert "evil:1:x" not in round_members(handlers[0], infos[0])
     assert {i.master_addr for i in infos} == {"127.0.0.1"}
 
@@ -251,7 +235,7 @@ def test_a_store_that_cannot_prove_the_token_is_not_taken_unasked(
 
 def test_status_authenticates_with_the_token(port: int, make: Make, token_file: str) -> None:
     handlers = [make(), make()]
-    rendezvous_all(handlers)
+    rendezvous_all(handlers, timeout=30)
     assert any(h.is_hosting for h in handlers)  # our server, with the token
     for conf, ok in (({"token_file": token_file}, True), ({}, False)):
         params = RendezvousParameters(
@@ -361,7 +345,7 @@ def outside_address() -> str | None:
 def test_an_open_store_on_the_network_is_said_once(
     capfd: pytest.CaptureFixture[str], token_file: str
 ) -> None:
-    from conftest import free_port
+    from elastic.testing.ports import free_port
 
     addr = outside_address()
     if addr is None:
@@ -389,17 +373,17 @@ def test_garbage_in_counters_fails_nothing(job: Any, torch_served: Any) -> None:
     record = fail.FailureRecord("trainer", 0, 0, "h", 1, 3, time.time())
     fail.publish(infos[0].store, record)
     assert [r.exit_code for r in fail.collect(infos[1].store)] == [3]
-    assert {i.round for i in rendezvous_all(handlers)} == {1}
+    assert {i.round for i in rendezvous_all(handlers, timeout=30)} == {1}
 
 
 def test_a_forged_or_replayed_round_number_is_undone(job: Any, torch_served: Any) -> None:
     handlers, _ = job
-    assert {i.round for i in rendezvous_all(handlers)} == {1}
+    assert {i.round for i in rendezvous_all(handlers, timeout=30)} == {1}
     signed_round_1 = torch_served.get(JOB + "rdzv/round")
-    assert {i.round for i in rendezvous_all(handlers)} == {2}
+    assert {i.round for i in rendezvous_all(handlers, timeout=30)} == {2}
     for forged in (b"0", signed_round_1):  # garbage, and an older signed value
         torch_served.set(JOB + "rdzv/round", forged)
-        rounds = {i.round for i in rendezvous_all(handlers)}
+        rounds = {i.round for i in rendezvous_all(handlers, timeout=30)}
         assert rounds == {max(rounds)} and max(rounds) >= 3, (forged, rounds)
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run_elastic, write_script
+from elastic.harness.commands import run_elastic, write_script
 
 SELECTIONS = [
     pytest.param(

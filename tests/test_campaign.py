@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import require_cluster
+from elastic.harness.cluster import require_cluster
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

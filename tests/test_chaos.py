@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Processes, pid_alive
+from elastic.harness.commands import REPO
+from elastic.harness.processes import Processes, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

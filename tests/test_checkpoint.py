@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_distribution as make_dist
 from elastic.core import checkpoint as ckpt
+from elastic.harness.distributions import make_distribution as make_dist
 from elastic.plugins.checkpoint_fs import HEADER, FsCheckpointer
 
 

@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, make_distribution, run_elastic
+from elastic.harness.commands import REPO, cli_env, run_elastic
+from elastic.harness.distributions import make_distribution
 
 BAD_INPUTS = [
     (["--nnodes=4:2"], "MIN (4) must not exceed MAX (2)"),

@@ -11,8 +11,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from conftest import pid_alive, wait_until
-from elastic.testing.cluster import (
+from elastic.harness.cluster import (
     ETC_NETNS,
     SUPERNET,
     Cluster,
@@ -21,6 +20,8 @@ from elastic.testing.cluster import (
     netem_available,
     sweep_stale,
 )
+from elastic.harness.processes import pid_alive
+from elastic.testing.waits import wait_until
 
 Make = Callable[..., Cluster]
 PORT = 7000

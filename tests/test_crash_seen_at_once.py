@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes, wait_until
-from conftest import write_script as script
+from elastic.harness.commands import write_script as script
+from elastic.harness.processes import Processes
+from elastic.testing.waits import wait_until
 
 pytest_plugins = ["elastic.testing.etcd"]
 pytestmark = pytest.mark.slow

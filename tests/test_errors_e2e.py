@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, make_distribution, run_elastic
+from elastic.harness.commands import cli_env, run_elastic
+from elastic.harness.distributions import make_distribution
 
 e2e = pytest.mark.slow  # multi-process end-to-end tests
 

@@ -35,9 +35,8 @@ from elastic.plugins.rdzv_etcd_v3.store import CONNECTION_KEYS, EtcdV3Store, sto
 from elastic.testing.etcd import V3_TOKEN_TTL, free_port, gateway_post, sign_cert
 
 if TYPE_CHECKING:
+    from elastic.harness.processes import Processes
     from elastic.testing.etcd import EtcdCluster, EtcdMember
-
-    from tests.conftest import Processes
 
 pytest_plugins = ["elastic.testing.etcd"]
 pytestmark = pytest.mark.timeout(60)

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes, make_spec, wait_until
-from conftest import write_script as script
 from elastic.core.agent.exit_barrier import BarrierEnd, exit_barrier
 from elastic.core.agent.exit_code import JobEnd, after_barrier, after_close, exit_code
 from elastic.core.agent.loop import LocalElasticAgent
@@ -22,6 +20,10 @@ from elastic.core.interfaces.rendezvous import RendezvousClosedError, Rendezvous
 from elastic.core.interfaces.spec import RunResult, WorkerState
 from elastic.core.interfaces.store import LocalStore
 from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.harness.commands import write_script as script
+from elastic.harness.processes import Processes
+from elastic.harness.worker_specs import make_spec
+from elastic.testing.waits import wait_until
 from test_agent_nodes import NodeHandler, SharedRendezvous
 
 

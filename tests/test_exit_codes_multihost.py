@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import START_RECORD, FaultJob, serve_rendezvous
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import START_RECORD, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow

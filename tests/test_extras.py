@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, free_port
+from elastic.harness.commands import REPO, cli_env
+from elastic.testing.ports import free_port
 
 # Runs the real CLI with the modules named in argv[1] (comma-separated) unimportable.
 WITHOUT = """\

@@ -3,7 +3,7 @@
 Real agents (``python -m elastic run``) run one per host of a ``cluster_factory`` cluster,
 each host with its own address and name, one worker per node; the c10d store is hosted by
 the agent on host 0, etcd runs on a host of its own. Workers record when they start and
-when their agent stops them (``elastic.testing.multihost``), on one shared clock, so every
+when their agent stops them (``elastic.harness.multihost``), on one shared clock, so every
 limit below is checked against measured times, which the assertion messages show:
 
 - SIGTERM to an agent (preemption): survivors run again within ``TERM_LIMIT`` s, no
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import C10D_PORT, FaultJob, serve_rendezvous, wait_until
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import C10D_PORT, FaultJob, serve_rendezvous, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import make_distribution
-from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import START_RECORD, ExitWatch, FaultJob, serve_rendezvous
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.distributions import make_distribution
+from elastic.harness.multihost import START_RECORD, ExitWatch, FaultJob, serve_rendezvous
 from elastic.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow

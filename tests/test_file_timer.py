@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, pid_alive, run_elastic, wait_until, write_script
+from elastic.harness.commands import cli_env, run_elastic, write_script
+from elastic.harness.processes import pid_alive
+from elastic.testing.waits import wait_until
 
 WORKER = """
 import os, signal, sys, time

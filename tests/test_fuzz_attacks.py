@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes, wait_until
 from elastic.core.agent.restarts import claim_restart, give_up, job_failed, restarts_used
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
@@ -24,10 +23,12 @@ from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import add_lost, read_lost
 from elastic.core.rendezvous.round.signing import SignedStore
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.harness.processes import Processes
 from elastic.plugins.rdzv_etcd.client import ClientConfig, EtcdClient
 from elastic.plugins.rdzv_etcd.store import EtcdStore
 from elastic.plugins.rdzv_etcd_v3.client import V3Config
 from elastic.plugins.rdzv_etcd_v3.store import EtcdV3Store
+from elastic.testing.waits import wait_until
 
 pytest_plugins = ["elastic.testing.etcd"]
 

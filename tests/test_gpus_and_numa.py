@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_elastic, write_script
 from elastic.core.workers import numa
 from elastic.core.workers.devices import count_gpus
+from elastic.harness.commands import run_elastic, write_script
 
 CPU_NODE = "cpu_cores_count 2\nsimd_count 0\nlocation_id 0\ndomain 0\n"
 

@@ -14,15 +14,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import (
-    Processes,
-    cli_env,
-    free_port,
-    make_distribution,
-    run_elastic,
-    wait_until,
-    write_script,
-)
+from elastic.harness.commands import cli_env, run_elastic, write_script
+from elastic.harness.distributions import make_distribution
+from elastic.harness.processes import Processes
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 from test_metrics import convention_breaks
 
 T = 4.0

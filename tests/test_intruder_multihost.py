@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.cluster import Cluster, require_cluster
-from elastic.testing.multihost import C10D_PORT, FaultJob, etcd_endpoint, start_etcd, wait_until
+from elastic.harness.cluster import Cluster, require_cluster
+from elastic.harness.multihost import C10D_PORT, FaultJob, etcd_endpoint, start_etcd, wait_until
 
 pytestmark = pytest.mark.slow
 

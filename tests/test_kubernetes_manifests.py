@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, free_port, run_elastic, write_script
 from elastic.cli.run import run_command
 from elastic.core.watchdog.health import HealthServer, Readiness
+from elastic.harness.commands import REPO, run_elastic, write_script
+from elastic.testing.ports import free_port
 
 MANIFESTS = REPO / "examples" / "kubernetes"
 DEFAULT_PREEMPTION_GRACE = 25.0

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Code that is not the product: it may import anything, torch's launcher included.
-NOT_PRODUCT = {"tests", "bench", "examples", "build", "docs"}
+NOT_PRODUCT = {"tests", "bench", "harness", "examples", "build", "docs"}
 
 
 def lint_imports(package: pathlib.Path, copy: bool) -> str:

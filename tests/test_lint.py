@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from elastic.harness.commands import REPO
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import REPO, cli_env, run_elastic
+from elastic.harness.commands import REPO, cli_env, run_elastic
 
 # A failing worker under a bare agent: the agent says "elastic: run failed: ..." (no
 # errors plugin on a bare agent), through the ``elastic`` logger.

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import make_distribution as make_dist
 from elastic.core import metrics
 from elastic.core.metrics import MetricData, configure_sinks, put_metric, timed
 from elastic.core.plugin.config import ElasticConfig
+from elastic.harness.distributions import make_distribution as make_dist
 
 
 @pytest.fixture(autouse=True)

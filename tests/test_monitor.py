@@ -2,7 +2,7 @@
 only when the store leaves its requests unanswered *and* the store's host is silent too
 (a partition), never because its own thread ran late (hundreds of agents starting on a
 few cores) nor because the store is slow (its host starved of CPU, its process paused).
-The last two cases run on a simulated two-host network (``elastic.testing.cluster``)."""
+The last two cases run on a simulated two-host network (``elastic.harness.cluster``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
-from elastic.testing.cluster import Cluster
+from elastic.harness.cluster import Cluster
 
 pytest_plugins = ["elastic.testing.etcd"]
 
@@ -169,9 +169,9 @@ def count_requests(monkeypatch: pytest.MonkeyPatch) -> dict[int, Counter[str]]:
 def c10d_job() -> Iterator[Callable[[str, int], list[Any]]]:
     """``make(run_id, n)``: n fresh c10d handlers of one job (``min = max = n``), the first
     hosting its store; all shut down after the test, the store's host last."""
-    from conftest import free_port
     from elastic.core.interfaces.rendezvous import RendezvousParameters
     from elastic.plugins.rdzv_c10d import create_handler
+    from elastic.testing.ports import free_port
 
     made: list[Any] = []
 

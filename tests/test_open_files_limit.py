@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, elastic_cmd, write_script
+from elastic.harness.commands import REPO, cli_env, elastic_cmd, write_script
 
 LOW = 256
 

@@ -9,13 +9,28 @@ import email
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
+from elastic.harness.commands import REPO, cli_env
+
+# What a plugin author imports or runs: the conformance suite, its runner and killed node,
+# the pytest plugin and its agent runner, the etcd fixtures, and what those import.
+PLUGIN_AUTHOR_KIT = [
+    "__init__",
+    "agent_runner",
+    "conformance",
+    "conformance_node",
+    "conformance_runner",
+    "etcd",
+    "ports",
+    "pytest_plugin",
+    "waits",
+]
 
 
 def lazy_names() -> dict[str, str]:
@@ -92,10 +107,16 @@ def test_the_version_has_one_source() -> None:
 @pytest.mark.skipif(
     importlib.util.find_spec("setuptools") is None, reason="no setuptools to build with"
 )
-def test_the_wheel_carries_licence_types_and_classifiers(tmp_path: Path) -> None:
+def test_the_wheel_carries_licence_types_classifiers_and_the_kit(tmp_path: Path) -> None:
+    # From a copy without build/: setuptools builds in the tree and never empties
+    # build/lib, so a module that was once in the package would ship again.
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO, source, ignore=shutil.ignore_patterns("build", ".*", "__pycache__", "*.egg-info")
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(tmp_path), str(REPO)],
+        + ["-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -107,6 +128,15 @@ def test_the_wheel_carries_licence_types_and_classifiers(tmp_path: Path) -> None
         (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         meta = email.message_from_bytes(zf.read(meta_name))
     assert {"elastic/py.typed", "elastic/__init__.pyi", "elastic/__init__.py"} <= names
+    # The plugin-author kit ships (docs/conformance.md, docs/plugins.md); the internal
+    # harness, the tests and the benches do not.
+    kit = {f"elastic/testing/{m}.py" for m in PLUGIN_AUTHOR_KIT}
+    assert kit <= names, sorted(kit - names)
+    assert (REPO / "harness" / "cluster.py").is_file()
+    left_in = [
+        n for n in names if n.startswith(("elastic/harness/", "elastic/tests/", "elastic/bench/"))
+    ]
+    assert left_in == []
     assert any(n.endswith("dist-info/licenses/LICENSE") for n in names), sorted(names)[:20]
     assert meta["License"] == "BSD-3-Clause"
     classifiers = meta.get_all("Classifier")

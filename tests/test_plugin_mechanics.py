@@ -13,11 +13,12 @@ from typing import Any
 
 import pluggy
 import pytest
-from conftest import cli_env, make_distribution, run_elastic
 from elastic.core.plugin.config import ElasticConfig
 from elastic.core.plugin.hookspecs import hookimpl
 from elastic.core.plugin.host import PluginHost
 from elastic.core.plugin.options import PluginOptionParser
+from elastic.harness.commands import cli_env, run_elastic
+from elastic.harness.distributions import make_distribution
 
 ORDER_PLUGINS = """
 from elastic.core.plugin.hookspecs import hookimpl

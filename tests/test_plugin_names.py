@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_distribution, run_elastic
+from elastic.harness.commands import run_elastic
+from elastic.harness.distributions import make_distribution
 
 DUP = "[elastic.rendezvous]\ndup = {m}:create\n[elastic.metrics]\ndup = {m}:Sink\n" + (
     "[elastic.checkpoint]\ndup = {m}:create\n[elastic.plugins]\ndup = {m}\n"

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Processes, free_port, wait_until, write_script
+from elastic.harness.commands import write_script
+from elastic.harness.processes import Processes
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 # A DDP-shaped loop with no periodic checkpoint: it saves only when the job asks.
 DDP_SCRIPT = """

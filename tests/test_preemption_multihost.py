@@ -1,6 +1,6 @@
 """Preemption on a simulated multi-host network (issue 15): real agents (``python -m elastic
 run``, c10d, the store on host 0) one per host of a ``cluster_factory`` cluster, each host
-with its own address and name, running ``elastic.testing.multihost.PREEMPT_WORKER``: a gloo
+with its own address and name, running ``elastic.harness.multihost.PREEMPT_WORKER``: a gloo
 DDP job on CPU with no periodic checkpoint, which asks ``elastic.checkpoint_requested()``
 every step, agrees with one all_reduce MAX, saves, barriers and calls
 ``elastic.checkpoint_saved()``, as the README shows.
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import FaultJob, wait_until
-from elastic.testing.preemption_job import PREEMPT_WORKER, last_step, preempt_job, read_events
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import FaultJob, wait_until
+from elastic.harness.preemption_job import PREEMPT_WORKER, last_step, preempt_job, read_events
 
 pytestmark = pytest.mark.slow
 

@@ -9,17 +9,16 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import raw, wait_until
-from elastic.core.interfaces.rendezvous import RendezvousInfo, RendezvousParameters
 from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
-from elastic.plugins.rdzv_c10d import create_handler
+from elastic.harness.c10d_handlers import Make, c10d_handlers, rendezvous_all, write_token_file
+from elastic.harness.store_sockets import raw
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+from elastic.testing.waits import wait_until
 
 TOKEN = b"the-job-token-of-32-bytes-or-so!"
 # A member connects to rank 0 a heartbeat interval after a round forms: 1 s, twice the
@@ -125,32 +124,12 @@ def test_a_recorded_hello_replayed_proves_nothing(port_with_token: PresenceServe
 # --- a token job of three agents -----------------------------------------------------------
 
 
-Make = Callable[[], C10dRendezvousHandler]
-
-
 @pytest.fixture
 def make(port: int, tmp_path: Path) -> Iterator[Make]:
-    token_file = tmp_path / "token"
-    token_file.write_bytes(TOKEN)
-    token_file.chmod(0o600)
-    made: list[C10dRendezvousHandler] = []
-
-    def factory() -> C10dRendezvousHandler:
-        conf = {**CONF, "token_file": str(token_file)}
-        params = RendezvousParameters("c10d", f"{HOST}:{port}", "job", 2, 3, config=conf)
-        handler = create_handler(params)
-        assert isinstance(handler, C10dRendezvousHandler)
-        made.append(handler)
-        return handler
-
-    yield factory
-    for handler in sorted(made, key=lambda h: h.is_hosting):
-        handler.shutdown()
-
-
-def rendezvous_all(handlers: list[C10dRendezvousHandler]) -> list[RendezvousInfo]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        return [f.result(timeout=30) for f in [pool.submit(h.next_rendezvous) for h in handlers]]
+    """``make()``: a node of a 2..3-node job with the token."""
+    token_file = write_token_file(tmp_path / "token", TOKEN)
+    with c10d_handlers(port, config={**CONF, "token_file": token_file}, host=HOST) as make_handler:
+        yield lambda: make_handler(2, 3)
 
 
 def record_hellos(handler: C10dRendezvousHandler) -> list[bytes]:
@@ -176,14 +155,14 @@ def test_a_replayed_hello_after_a_round_forms_causes_no_regroup(make: Make) -> N
     handlers = [make() for _ in range(3)]
     # A member connects the instant its round forms: record from before the first one.
     recorders = {id(h): record_hellos(h) for h in handlers}
-    infos = rendezvous_all(handlers)
+    infos = rendezvous_all(handlers, timeout=30)
     rank0 = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 0)
     victim = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 1)
     sent = recorders[id(victim)]
     for rnd in range(2):  # each round: the member connects, then a new round forms
         assert wait_until(lambda: len(sent) > rnd, 10)  # noqa: B023
         recorded = sent[-1]
-        infos = rendezvous_all(handlers)
+        infos = rendezvous_all(handlers, timeout=30)
         assert rank0._presence is not None
         for _ in range(3):
             with raw(rank0._presence.port) as replay:

@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import pid_alive, wait_until
 from elastic.core.workers.process import (
     CallableWorker,
     CommandWorker,
     signal_name,
     stop_workers,
 )
+from elastic.harness.processes import pid_alive
+from elastic.testing.waits import wait_until
 
 
 def _pids(path: Path, n: int, timeout: float = 15) -> list[int]:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Processes, wait_until
+from elastic.harness.processes import Processes
+from elastic.testing.waits import wait_until
 
 CONF = "heartbeat_interval=0.5,heartbeat_timeout=2.5,last_call_timeout=5"
 WAITING = re.compile(r"^elastic: waiting for nodes: (\d+) joined, need (\d+) \(max (\d+)\)")

@@ -8,13 +8,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_until
 from elastic.core.agent.restarts import claim_restart
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
@@ -26,41 +25,20 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStateError,
 )
 from elastic.core.rendezvous.round import records as R
+from elastic.harness.c10d_handlers import FAST, Make, c10d_handlers, rendezvous_all
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.store import parse_endpoint
 from elastic.testing.conformance import by_rank, round_members
-
-FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
-
-Make = Callable[..., C10dRendezvousHandler]
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 
 @pytest.fixture
 def make(port: int) -> Iterator[Make]:
     """Creates handlers on this test's port; shuts them all down, the host last."""
-    made: list[C10dRendezvousHandler] = []
-
-    def factory(
-        mn: int = 1, mx: int | None = None, run_id: str = "job", **conf: str
-    ) -> C10dRendezvousHandler:
-        params = RendezvousParameters(
-            "c10d", f"127.0.0.1:{port}", run_id, mn, mx or mn, config={**FAST, **conf}
-        )
-        handler = create_handler(params)
-        assert isinstance(handler, C10dRendezvousHandler)
-        made.append(handler)
-        return handler
-
-    yield factory
-    for h in sorted(made, key=lambda h: h.is_hosting):
-        h.shutdown()
-
-
-def rendezvous_all(handlers: list[C10dRendezvousHandler], timeout: float = 20) -> list[Any]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        futures = [pool.submit(h.next_rendezvous) for h in handlers]
-        return [f.result(timeout=timeout) for f in futures]
+    with c10d_handlers(port) as factory:
+        yield factory
 
 
 def check_round(infos: list[RendezvousInfo], size: int) -> None:

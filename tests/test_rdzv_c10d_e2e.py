@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Processes, wait_until
+from elastic.harness.processes import Processes
+from elastic.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow
 

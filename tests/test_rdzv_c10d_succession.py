@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_until
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
-    RendezvousParameters,
     RendezvousStoreGoneError,
     RendezvousStoreMovedError,
 )
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
 from elastic.core.tcpstore.view import Connection
-from elastic.plugins.rdzv_c10d import create_handler
+from elastic.harness.c10d_handlers import Make, c10d_handlers, rendezvous_all
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.succession import (
     IDLE,
@@ -39,33 +37,14 @@ from elastic.plugins.rdzv_c10d.succession import (
     wire_key,
 )
 from elastic.testing.conformance import round_members
-
-FAST = {"heartbeat_interval": "0.2", "heartbeat_timeout": "1.5", "close_timeout": "3"}
-Make = Callable[..., C10dRendezvousHandler]
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 
 @pytest.fixture
 def make(port: int) -> Iterator[Make]:
-    made: list[C10dRendezvousHandler] = []
-
-    def factory(mn: int = 1, mx: int = 4, **conf: str) -> C10dRendezvousHandler:
-        params = RendezvousParameters(
-            "c10d", f"127.0.0.1:{port}", "job", mn, mx, config={**FAST, **conf}
-        )
-        handler = create_handler(params)
-        assert isinstance(handler, C10dRendezvousHandler)
-        made.append(handler)
-        return handler
-
-    yield factory
-    for h in sorted(made, key=lambda h: h.is_hosting):
-        h.shutdown()
-
-
-def rendezvous_all(handlers: list[C10dRendezvousHandler], timeout: float = 20) -> list[Any]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        futures = [pool.submit(h.next_rendezvous) for h in handlers]
-        return [f.result(timeout=timeout) for f in futures]
+    with c10d_handlers(port, default_max=4) as factory:
+        yield factory
 
 
 def holder(handlers: list[C10dRendezvousHandler]) -> C10dRendezvousHandler:

@@ -244,7 +244,7 @@ def test_e2e_sigterm_while_waiting_for_nodes_exits_promptly(procs, tmp_path, por
     import signal
     import socket
 
-    from conftest import wait_until
+    from elastic.testing.waits import wait_until
 
     script = tmp_path / "noop.py"
     script.write_text("pass\n")
@@ -279,7 +279,7 @@ def test_e2e_a_departed_node_ends_a_static_job_promptly(procs, tmp_path, port: i
     # (--max-restarts leaves room for a restart, which is what would wait).
     import signal
 
-    from conftest import wait_until
+    from elastic.testing.waits import wait_until
 
     script = tmp_path / "sleepy.py"
     script.write_text("import os, sys, time\nprint('RUNNING', flush=True)\ntime.sleep(600)\n")

@@ -133,7 +133,7 @@ def run_two_nodes(  # noqa: ANN201
     """``elastic run --nnodes=2 --node-rank=R --master-port=PORT ... worker.py`` for both
     nodes; every rank's record of its last attempt, checked for what every job shares
     (``env_extra``: more of the agents' environment)."""
-    from conftest import cli_env
+    from elastic.harness.commands import cli_env
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

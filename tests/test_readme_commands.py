@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+from elastic.harness.commands import REPO
 
 
 def readme_commands() -> list[str]:

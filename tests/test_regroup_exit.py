@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Processes, wait_until
+from elastic.harness.accumulator import ACCUMULATOR_STATE
+from elastic.harness.processes import Processes
 from elastic.testing.etcd import EtcdCluster
 from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 pytest_plugins = ["elastic.testing.etcd"]
 
@@ -59,7 +61,8 @@ def test_a_group_left_at_exit_is_destroyed_before_finalization(tmp_path: Path) -
         assert "terminate called" not in done.stderr
 
 
-WORKER = """
+WORKER = (
+    """
 import os, sys, time
 import torch, torch.distributed as dist
 import elastic
@@ -68,19 +71,12 @@ STEPS = int(sys.argv[1])
 out = os.environ["OUT"]
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         self.apply_snapshot(every[elastic.tenured_rank()])
 
 
@@ -100,6 +96,7 @@ last = elastic.train(train_step, state, checkpointer="")
 print(f"DONE {last} {state.value} pid={os.getpid()}", flush=True)
 # no destroy_process_group: many scripts end like this
 """
+)
 
 CONF = "heartbeat_interval=0.5,heartbeat_timeout=2.5,close_timeout=10,last_call_timeout=2"
 STEPS = 60

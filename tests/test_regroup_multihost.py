@@ -1,6 +1,6 @@
 """Regrouping in place on a simulated multi-host network (issue 25): real agents (``python
 -m elastic run``, c10d, the store on host 0), one per host, running
-``elastic.testing.regroup_job.REGROUP_WORKER``: an ``elastic.train`` job on gloo with no
+``elastic.harness.regroup_job.REGROUP_WORKER``: an ``elastic.train`` job on gloo with no
 checkpointer, whose integer state ends bit-identical to an unbroken run's
 (``--reference``) whatever the membership did.
 
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import C10D_PORT, FaultJob, wait_until
-from elastic.testing.preemption_job import read_events
-from elastic.testing.regroup_job import REGROUP_WORKER, regroup_job
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import C10D_PORT, FaultJob, wait_until
+from elastic.harness.preemption_job import read_events
+from elastic.harness.regroup_job import REGROUP_WORKER, regroup_job
 
 pytestmark = pytest.mark.slow
 

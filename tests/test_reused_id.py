@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_env
+from elastic.harness.commands import cli_env
 
 pytest_plugins = ["elastic.testing.etcd"]
 

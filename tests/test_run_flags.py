@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from conftest import run_elastic
+from elastic.harness.commands import run_elastic
 
 SHOW = """
 import os

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_elastic
 from elastic.cli.slurm import (
     SlurmError,
     SlurmStep,
@@ -17,6 +16,7 @@ from elastic.cli.slurm import (
     port_for_job,
     slurm_values,
 )
+from elastic.harness.commands import run_elastic
 
 
 @pytest.mark.parametrize(

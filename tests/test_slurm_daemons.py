@@ -1,5 +1,5 @@
 """``elastic run`` under a real SLURM (issue 35): munge, slurmctld and one slurmd per
-simulated host (``elastic.testing.slurm``), jobs submitted with the real ``srun``,
+simulated host (``elastic.harness.slurm``), jobs submitted with the real ``srun``,
 ``sbatch``, ``scancel`` and ``scontrol``, on three hosts with their own names and addresses.
 
 - ``srun -N2 --ntasks-per-node=1 elastic run --nproc-per-node=2`` is one job of 4 workers
@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.multihost import ETCD_CLIENT_PORT, start_etcd
-from elastic.testing.preemption_job import PREEMPT_WORKER, read_events
-from elastic.testing.slurm import (  # noqa: F401  (the fixtures)
+from elastic.harness.multihost import ETCD_CLIENT_PORT, start_etcd
+from elastic.harness.preemption_job import PREEMPT_WORKER, read_events
+from elastic.harness.records import RANK_RECORD_WORKER
+from elastic.harness.slurm import (  # noqa: F401  (the fixtures)
     SlurmCluster,
     slurm_cluster,
     slurm_fixture,
@@ -46,31 +47,11 @@ PAUSE = 0.1  # s per step
 NOTICE_AFTER = 5  # steps completed before the step is signalled
 START_TIMEOUT = 90.0  # s until the workers train (4 imports of torch on 2 shared cores)
 
-WORKER = """\
-import datetime, json, os, socket, sys
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-total = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(total)
-record = {
-    "host": socket.gethostname(),
-    "rank": int(os.environ["RANK"]),
-    "world": int(os.environ["WORLD_SIZE"]),
-    "group_rank": int(os.environ["GROUP_RANK"]),
-    "run_id": os.environ["TORCHELASTIC_RUN_ID"],
-    "sum": total.item(),
-}
-with open(os.path.join(sys.argv[1], f"rank{record['rank']}.json"), "w") as f:
-    json.dump(record, f)
-dist.destroy_process_group()
-"""
-
 
 def one_job_line(tmp_path: Path) -> tuple[str, Path]:
     """The srun line of the 4-worker job and the directory its workers write to."""
     script, out = tmp_path / "w.py", tmp_path / "out"
-    script.write_text(WORKER)
+    script.write_text(RANK_RECORD_WORKER)
     out.mkdir()
     line = f"srun -N2 --ntasks-per-node=1 {ELASTIC_RUN} --nproc-per-node=2 {script} {out}"
     return line, out
@@ -302,7 +283,7 @@ def test_a_finished_job_requeued_on_etcd_v3_is_a_new_job(
     etcd = start_etcd([etcd_host], tmp_path)
     try:
         script = tmp_path / "w.py"
-        script.write_text(WORKER)
+        script.write_text(RANK_RECORD_WORKER)
         out = tmp_path / "out"
         log_file = tmp_path / "job.out"
         line = (
@@ -349,7 +330,7 @@ def test_several_nodes_in_a_batch_script_without_srun_is_one_line(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     script = tmp_path / "w.py"
-    script.write_text(WORKER)
+    script.write_text(RANK_RECORD_WORKER)
     log_file = tmp_path / "job.out"
     line = f"{ELASTIC_RUN} --nnodes=2 --nproc-per-node=1 {script} {tmp_path}"
     job = slurm.sbatch(f"#!/bin/sh\n{line}\n", "-N2", f"--output={log_file}")
@@ -368,7 +349,7 @@ def test_several_nodes_in_a_batch_script_without_srun_is_one_line(
 @pytest.mark.timeout(120)
 def test_the_shell_of_an_interactive_step_is_one_line(slurm: SlurmCluster, tmp_path: Path) -> None:
     script = tmp_path / "w.py"
-    script.write_text(WORKER)
+    script.write_text(RANK_RECORD_WORKER)
     # What a user types at the prompt of srun -N2 --pty bash: only task 0 has the terminal.
     typed = f"[ $SLURM_PROCID = 0 ] && exec {ELASTIC_RUN} --nproc-per-node=1 {script} {tmp_path}"
     done = slurm.run(

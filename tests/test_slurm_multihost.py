@@ -17,33 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import name_mapped_addresses
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import name_mapped_addresses
+from elastic.harness.records import RANK_RECORD_WORKER
 
 pytestmark = pytest.mark.slow
 
 Make = Callable[..., Cluster]
 
 JOB_ID = "4242"
-
-WORKER = """\
-import datetime, json, os, socket, sys
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-total = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(total)
-record = {
-    "host": socket.gethostname(),
-    "rank": int(os.environ["RANK"]),
-    "world": int(os.environ["WORLD_SIZE"]),
-    "run_id": os.environ["TORCHELASTIC_RUN_ID"],
-    "sum": total.item(),
-}
-with open(os.path.join(sys.argv[1], f"rank{record['rank']}.json"), "w") as f:
-    json.dump(record, f)
-dist.destroy_process_group()
-"""
 
 
 def compressed(names: list[str]) -> str:
@@ -83,7 +65,7 @@ def test_two_srun_tasks_form_one_job(cluster_factory: Make, tmp_path: Path) -> N
     name_mapped_addresses(cluster)
     nodelist = compressed([h.name for h in cluster.hosts])
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(RANK_RECORD_WORKER)
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "elastic", "run", "--nproc-per-node=1", str(script), str(out)]

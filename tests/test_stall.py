@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Processes, elastic_cmd, free_port, run_elastic, write_script
+from elastic.harness.commands import elastic_cmd, run_elastic, write_script
+from elastic.harness.processes import Processes
+from elastic.testing.ports import free_port
 
 T = 4.0  # the stall timeout used throughout
 MARGIN = 1.5  # a loaded 2-core machine delays the monitor and the CPU samples

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Processes, free_port, run_elastic, wait_until
+from elastic.harness.commands import run_elastic
+from elastic.harness.processes import Processes
 from elastic.testing.etcd import EtcdCluster
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import handshaken, raw
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
     RendezvousConnectionError,
     RendezvousStoreGoneError,
 )
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, admission, client, limits, wire
+from elastic.harness.store_sockets import handshaken, raw
 from elastic.plugins.rdzv_c10d.succession import Succession
 
 HOST = "127.0.0.1"

@@ -2,7 +2,7 @@
 whatever the job is doing, and a replacement agent joins the run's store, never a new one.
 
 Real agents (``python -m elastic run``), one per host of a ``cluster_factory`` cluster,
-one worker per node (``elastic.testing.multihost``). Limits as in ``test_faults.py``.
+one worker per node (``elastic.harness.multihost``). Limits as in ``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic.testing.cluster import Cluster, Host
-from elastic.testing.multihost import C10D_PORT, FaultJob, wait_until
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import C10D_PORT, FaultJob, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import REPO, free_port, handshaken, raw
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, wire
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.harness.commands import REPO
+from elastic.harness.store_sockets import handshaken, raw
+from elastic.testing.ports import free_port
 
 HOST = "127.0.0.1"
 ClientFactory = Callable[..., TCPStoreClient]

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
-from conftest import REPO, handshaken, raw
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, limits, wire
+from elastic.harness.commands import REPO
+from elastic.harness.store_sockets import handshaken, raw
 
 HOST = "127.0.0.1"
 LOGGER = "elastic.core.tcpstore.limits"

@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import handshaken
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, limits, wire
+from elastic.harness.store_sockets import handshaken
 from tcpstore_differential import differences, served
 
 HOST = "127.0.0.1"

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Processes
+from elastic.harness.accumulator import ACCUMULATOR_STATE
+from elastic.harness.processes import Processes
 from elastic.testing.etcd import EtcdCluster
 from elastic.training import tenure
 from elastic.training.state import State
@@ -75,7 +76,8 @@ def test_mismatched_ranks_compares_everyone_after_with_the_source_before() -> No
     assert tenure.mismatched_ranks(rows, 0) is None  # the source gave no digest
 
 
-WORKER = """
+WORKER = (
+    """
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
 import elastic
@@ -96,19 +98,12 @@ def note(event, **kw):
         f.write(json.dumps(line) + "\\n")
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         if good:
             source = elastic.tenured_rank()
         else:  # a wrong sync: the least advanced rank's state
@@ -156,6 +151,7 @@ note("done", last=last, step=state.step, value=state.value)
 dist.barrier()
 dist.destroy_process_group()
 """
+)
 
 CONF = "heartbeat_interval=0.5,heartbeat_timeout=2.5,close_timeout=10,last_call_timeout=2"
 

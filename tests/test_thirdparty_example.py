@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Processes, cli_env, run_elastic
+from elastic.harness.commands import REPO, cli_env, run_elastic
+from elastic.harness.processes import Processes
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import elastic
 import pytest
-from conftest import free_port
 from elastic.core import checkpoint as ckpt
 from elastic.plugins.checkpoint_fs import FsCheckpointer
+from elastic.testing.ports import free_port
 from elastic.training.state import State
 
 

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import make_spec
-from conftest import write_script as script
 from elastic.core.agent.loop import LocalElasticAgent
 from elastic.core.interfaces.worker_watch import WorkerVerdict
 from elastic.core.plugin.hookspecs import hookimpl
 from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.harness.commands import write_script as script
+from elastic.harness.worker_specs import make_spec
 
 SLEEPER = """
 import os, sys, time

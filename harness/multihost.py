@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.cluster import ETC_NETNS, Cluster, Host
+from elastic.harness.cluster import ETC_NETNS, Cluster, Host
+from elastic.harness.processes import launcher_cmd
+from elastic.harness.records import read_records
 from elastic.testing.etcd import ETCD_BINARY
-from elastic.testing.processes import launcher_cmd
-from elastic.testing.records import read_records
 from elastic.testing.waits import wait_until
 
 ETCD_CLIENT_PORT = 2379

@@ -3,7 +3,7 @@
 For backend authors
 -------------------
 Request the ``cluster_factory`` fixture (in ``tests/`` it comes with ``conftest.py``;
-elsewhere add ``pytest_plugins = ["elastic.testing.cluster"]``)::
+elsewhere add ``pytest_plugins = ["elastic.harness.cluster"]``)::
 
     @pytest.mark.timeout(60)
     def test_job_survives_a_lost_node(cluster_factory):
@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import pytest
-from elastic.testing.netns import (  # noqa: F401  (public names of this module too)
+from elastic.harness.netns import (  # noqa: F401  (public names of this module too)
     ETC_NETNS,
     NAME,
     NETNS_DIR,
@@ -79,7 +79,7 @@ from elastic.testing.netns import (  # noqa: F401  (public names of this module 
 )
 
 _clusters = itertools.count()  # names this process's clusters
-RELAY_MODULE = "elastic.testing.netns"  # run in the switch: the stand-in for netem
+RELAY_MODULE = "elastic.harness.netns"  # run in the switch: the stand-in for netem
 
 
 class Host:
@@ -289,7 +289,7 @@ class Cluster:
                 self.switch,
                 sys.executable,
                 "-m",
-                "elastic.testing.netns",
+                "elastic.harness.netns",
                 tap,
                 *args,
             ],

@@ -3,15 +3,19 @@
 Launched jobs put their workers in sessions of their own, so stopping a job means finding
 every process below its launcher (``descendants``) and killing each one's process group
 (``kill_tree``). The readings (CPU time, peak RSS, free memory) come from ``/proc`` and are
-``None`` once a process is gone, so a poller never has to race its exit.
+``None`` once a process is gone, so a poller never has to race its exit. A test starts
+its processes through ``Processes``, which kills what is left at teardown.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
+
+from elastic.harness.commands import cli_env, elastic_cmd
 
 
 def launcher_cmd(impl: str) -> list[str]:
@@ -105,3 +109,46 @@ def raise_nofile(wanted: int) -> tuple[int, int]:
     if soft != resource.RLIM_INFINITY and soft < target:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie, or one the kernel is still tearing down (X), is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+class Processes:
+    """Starts real subprocesses (each its own session) and kills what is left at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, cmd: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("env", cli_env())
+        proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def elastic(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.start(elastic_cmd(*args), **kwargs)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass

@@ -1,6 +1,6 @@
 """The in-place regroup job on a simulated cluster (``tests/test_regroup_multihost.py``,
 ``bench/regroup.py``): an ``elastic.train`` worker on gloo (``REGROUP_WORKER``), the
-events it writes (``read_events`` of ``elastic.testing.preemption_job``) and the job that
+events it writes (``read_events`` of ``elastic.harness.preemption_job``) and the job that
 runs it on every host (``regroup_job``).
 
 The state is an integer accumulator: step ``s`` adds the sum over 12 items of an integer
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import START_RECORD, FaultJob, c10d_script_job
+from elastic.harness.accumulator import ACCUMULATOR_STATE
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
 
 REGROUP_WORKER = (
     """\
@@ -69,19 +70,12 @@ steps, pause = int(sys.argv[1]), float(sys.argv[2])
 in_place = sys.argv[3:] != ["restart"]  # "restart": today's path, for the bench
 
 
-class Accumulator(elastic.State):
-    def __init__(self):
-        self.step, self.value = 0, 0
-
-    def capture_snapshot(self):
-        return {"step": self.step, "value": self.value}
-
-    def apply_snapshot(self, snapshot):
-        self.step, self.value = snapshot["step"], snapshot["value"]
-
+"""
+    + ACCUMULATOR_STATE
+    + """
+class Accumulator(AccumulatorState):
     def sync(self, world_size, rank):
-        every = [None] * world_size
-        dist.all_gather_object(every, self.capture_snapshot())
+        every = self.gather_snapshots(world_size)
         self.apply_snapshot(max(every, key=lambda s: s["step"]))  # the most tenured
         note("sync", self.step)
 

@@ -1,9 +1,9 @@
 """What only the scripts in ``bench/`` need: repeated timings and their statistics, the
 JSON report and its options, a quiet machine to measure on, a scratch directory per run.
 
-It lives in ``elastic.testing`` because the bench scripts run as ``python bench/NAME.py``
-and import their harness only from installed modules, never from files that happen to sit
-next to them on ``sys.path``.
+It lives in ``elastic.harness`` because the bench scripts run as ``python bench/NAME.py``
+and import their harness only through the (editable) install, never from files that happen
+to sit next to them on ``sys.path``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The primitives under ``elastic.testing.cluster``: running ip/tc commands, finding and
+"""The primitives under ``elastic.harness.cluster``: running ip/tc commands, finding and
 signalling the processes of a network namespace, probing whether namespaces can be made
 here, sweeping what a crashed run left behind, and the relay that stands in for
 ``tc netem`` on kernels without it (run in the switch namespace as
-``python -m elastic.testing.netns TAP DELAY_MS JITTER_MS LOSS_PCT``)."""
+``python -m elastic.harness.netns TAP DELAY_MS JITTER_MS LOSS_PCT``)."""
 
 from __future__ import annotations
 

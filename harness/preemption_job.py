@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import START_RECORD, FaultJob, c10d_script_job
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
 
 # It writes the same start record as ``WORKER``, timed before any import (so
 # ``FaultJob.running_together`` and ``regroup_time`` work), then one JSON line per event to

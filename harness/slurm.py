@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic.testing.cluster import Cluster, Host, require_cluster
+from elastic.harness.cluster import Cluster, Host, require_cluster
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel")
 GRACE_TIME = 20  # s a preempted job's tasks have between SIGTERM and SIGKILL
