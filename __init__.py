@@ -8,6 +8,16 @@ torch's programmatic API is here under torch's names: ``LaunchConfig``,
 ``elastic_launch``, ``launch_agent``, ``ChildFailedError``, ``WorkerSpec``,
 ``LocalElasticAgent``, ``RendezvousParameters``, ``register_rendezvous_handler``,
 ``get_rendezvous_handler``.
+
+The package holds ``__main__`` (``python -m elastic``), ``cli`` (the ``elastic``
+command), ``api`` (torch's programmatic API), ``core`` (the launcher itself: the agent,
+the rendezvous, the workers, the plugin host), ``plugins`` (the built-in plugins),
+``training`` (what worker processes import), ``testing`` (the plugin authors' kit) and
+``harness`` (the suite's own harness, not in the wheel). Their order is contract
+``product`` in ``pyproject.toml``: ``__main__`` and ``harness`` above ``cli``, then
+``testing``, ``api``, ``plugins`` beside ``training``, and ``core`` at the bottom. This
+module imports only the standard library; each name above resolves to its home on first
+access.
 """
 
 from __future__ import annotations

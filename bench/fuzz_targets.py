@@ -1,5 +1,12 @@
 """What ``bench/fuzz.py`` fuzzes: one function per parser of untrusted bytes.
 
+Over 400 lines on purpose: this file is the registry, one decorated function per target
+(each 20-70 lines with its checks), so that reading it lists every parser the fuzzer
+covers and a parser without a target shows as an absence here; ``fuzz.py --list``, and
+through it ``tests/test_fuzz.py``, take its ``TARGETS`` as the set. Splitting the targets
+across files would split that list. What is not a target lives beside it
+(``fuzz_etcd_transport.py``: the stand-in for urllib3's pool under the etcd clients).
+
 Each target is registered by name with ``@target``: a setup function, run once in the
 fuzzing process (after coverage instrumentation is on), that returns the function called
 with every input. That function returns normally for any input whose outcome is allowed
@@ -10,7 +17,6 @@ decorated function here and a seed directory in ``tests/fuzz_corpus/<name>/``.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import socket
@@ -19,7 +25,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+
+from fuzz_etcd_transport import Pool, answer_every_op, reads_and_writes
 
 OneInput = Callable[[bytes], None]
 
@@ -310,89 +317,6 @@ def replay() -> OneInput:
 # --- etcd ------------------------------------------------------------------------------
 
 
-class _Body(io.BytesIO):
-    """A reply body that ends as a socket's does: closed once read to its end (a BytesIO
-    stays open, and urllib3's stream would wait on it for ever)."""
-
-    def read(self, size: int | None = -1) -> bytes:
-        data = super().read(size)
-        if not data:
-            self.close()
-        return data
-
-    def read1(self, size: int | None = -1) -> bytes:
-        return self.read(size)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
-class _Pool:
-    """Stands in for urllib3's pool: every request is answered with the fuzzed bytes, so
-    the real client and store parse them."""
-
-    def __init__(self) -> None:
-        self.body, self.status = b"", 200
-
-    def _response(self, preload: bool) -> Any:
-        import urllib3
-
-        return urllib3.HTTPResponse(
-            body=_Body(self.body),
-            status=self.status,
-            headers={"X-Etcd-Index": "1", "Content-Type": "application/json"},
-            preload_content=preload,
-        )
-
-    def request(self, *args: Any, preload_content: bool = True, **kw: Any) -> Any:
-        return self._response(preload_content)
-
-    def request_encode_body(self, *args: Any, preload_content: bool = True, **kw: Any) -> Any:
-        return self._response(preload_content)
-
-    urlopen = request
-
-    def clear(self) -> None:
-        pass
-
-
-_STATUSES = (200, 200, 200, 201, 400, 401, 403, 404, 412, 500, 503)
-
-
-def _reads_and_writes(store: Any) -> tuple[Callable[[], object], ...]:
-    """The ops every etcd store parses a reply of: a multi-get, both compare-and-sets, adds."""
-    return (
-        lambda: store.multi_get(["a", "b"]),
-        lambda: store.compare_set("a", b"x", b"y"),
-        lambda: store.compare_set("a", b"", b"y"),
-        lambda: store.add("c", 1),
-        lambda: store.add("c", 0),
-    )
-
-
-def _answer_every_op(
-    pool: _Pool,
-    data: bytes,
-    ops: tuple[Callable[[], object], ...],
-    slow: tuple[Callable[[], object], ...],
-    refusals: tuple[type[Exception], ...],
-) -> None:
-    """One input against a store whose transport is ``pool``: the first byte picks the
-    reply's status, the rest is the body every op parses; the first byte's top bit adds the
-    ``slow`` ops (waits and watches, which pause when they fail: half the inputs).
-    ``refusals`` are the errors that are the ops' logical outcomes."""
-    if not data:
-        return
-    pool.status, pool.body = _STATUSES[data[0] % len(_STATUSES)], data[1:]
-    for op in ops + (slow if data[0] & 0x80 else ()):
-        try:
-            op()
-        except refusals:
-            pass
-
-
 @target("etcd-v3-reply")
 def etcd_v3_reply() -> OneInput:
     """etcd v3 JSON gateway replies (client.py, store.py): every store operation and a
@@ -404,11 +328,11 @@ def etcd_v3_reply() -> OneInput:
 
     config = V3Config("127.0.0.1:1", read_timeout=0.05, retry_timeout=0.001)
     store = EtcdV3Store(config, "/fuzz/", lease_ttl=5, timeout=timedelta(seconds=0.01))
-    pool = _Pool()
+    pool = Pool()
     store._conn.client._pool = pool  # noqa: SLF001  (the transport is the fuzzer)
 
     ops: tuple[Callable[[], object], ...] = (
-        *_reads_and_writes(store),
+        *reads_and_writes(store),
         lambda: store.delete_key("a"),
         lambda: store.get("a"),
         lambda: store.heartbeat("h", b"1"),
@@ -417,7 +341,7 @@ def etcd_v3_reply() -> OneInput:
     slow = (lambda: list(store._conn.client.watch(b"a", b"b", 1, 0.05)),)  # noqa: SLF001
 
     def one(data: bytes) -> None:
-        _answer_every_op(pool, data, ops, slow, (RendezvousError, StoreTimeoutError))
+        answer_every_op(pool, data, ops, slow, (RendezvousError, StoreTimeoutError))
         store._conn.lease._id = None  # noqa: SLF001  (grant again: parse that reply too)
 
     return one
@@ -433,13 +357,13 @@ def etcd_v2_reply() -> OneInput:
     from elastic.plugins.rdzv_etcd.store import EtcdStore
 
     client = EtcdClient(ClientConfig("127.0.0.1:1", read_timeout=0.05, retry_timeout=0.001))
-    pool = _Pool()
+    pool = Pool()
     for member in client._clients:  # noqa: SLF001  (the transport is the fuzzer)
         member.http = pool
     store = EtcdStore(client, "/fuzz", timeout=timedelta(seconds=0.01))
 
     ops: tuple[Callable[[], object], ...] = (
-        *_reads_and_writes(store),
+        *reads_and_writes(store),
         lambda: store.check(["a"]),
         lambda: store.delete_key("a"),
         lambda: store.get("a"),
@@ -452,7 +376,7 @@ def etcd_v2_reply() -> OneInput:
     refusals = (RendezvousError, StoreTimeoutError, etcd.EtcdException)
 
     def one(data: bytes) -> None:
-        _answer_every_op(pool, data, ops, slow, refusals)
+        answer_every_op(pool, data, ops, slow, refusals)
 
     return one
 

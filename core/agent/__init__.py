@@ -4,7 +4,8 @@ each step to: ``start`` (workers for a round), ``monitor`` (watching an attempt,
 the restart budget, giving up), ``exit_barrier``, ``departure`` (a failure a leaving node
 caused costs nothing), ``joining`` (has this node joined the job?), ``regroup`` (keeping
 workers through a membership change), ``checkpoint_on_notice`` (preemption) and
-``store_call`` (store calls bounded by the handler's fencing).
+``store_call`` (store calls bounded by the handler's fencing); ``fence`` (a fenced node's
+workers stopped from the handler's thread) and ``exit_code`` (what a node exits with).
 
 May import the rooms below it: ``watchdog``, ``rendezvous``, ``metrics``, ``checkpoint``,
 ``plugin``, ``workers``, ``tcpstore``, ``interfaces``, ``log``; never torch. Plugins and

@@ -1,8 +1,10 @@
 """This node's worker processes. Owns starting, polling and stopping them (``process``),
 the agent's signals and which it forwards (``signals``), their logs (``logs``) and error
-files (``errorfile``), torchrun's worker environment (``env``), the control file an agent
-uses to ask them to checkpoint or regroup (``control_file``), and ``boot``, the directory
-put first on their ``PYTHONPATH``.
+files (``errorfile``), torchrun's worker environment (``env``), the GPUs found without
+torch (``devices``), ``--numa-binding`` (``numa``), the agent loop's pulse that liveness
+reads (``loop_clock``), the control file an agent uses to ask them to checkpoint or
+regroup (``control_file``), and ``boot``, the directory put first on their
+``PYTHONPATH``.
 
-May import ``interfaces`` and ``log`` (the rooms below it); a public room for plugins and
-training code."""
+Imports ``interfaces`` only; may import ``log`` too (the rooms below it). A public room
+for plugins and training code."""

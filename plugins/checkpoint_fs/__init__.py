@@ -15,6 +15,11 @@ Why a partial file is never loaded:
 
 File layout: ``ckpt-<step, 12 digits>.elastic`` =
 ``b"ELCKPT1\\n"`` + size (8 bytes, little endian) + sha256 (32 bytes) + payload.
+
+Owns the checkpointer (this package's ``FsCheckpointer``, entry point ``fs`` in
+``elastic.checkpoint``) and ``hooks`` (the ``checkpoint`` hook plugin: ``--checkpoint``,
+and the name workers are given). Imports core's ``checkpoint``, ``plugin`` and ``log``;
+may import core's public rooms only (contract ``plugins-public-core``), no torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 hook plugin that turns the agent's lifecycle into metrics.
 
 ``PrometheusSink`` is looked up on first use: it needs the ``prometheus`` extra, whose
-absence then fails that sink's load (one line naming the extra), not the others'."""
+absence then fails that sink's load (one line naming the extra), not the others'.
+
+Owns ``sinks`` (``console``, ``jsonl``, ``prometheus``) and ``events`` (the ``metrics``
+hook plugin). Imports core's ``metrics``, ``plugin`` and ``interfaces``, and
+prometheus-client on first use; may import core's public rooms only (contract
+``plugins-public-core``), no torch.
+"""
 
 from typing import TYPE_CHECKING, Any
 

@@ -6,6 +6,12 @@ connects to it. ``--rdzv-conf`` keys: the round's (``elastic.core.rendezvous.rou
 ``C10D_KEYS`` below.
 
 Neither importing this package nor running a handler imports torch.
+
+Owns ``handler`` (``C10dRendezvousHandler``: the shared round over the job's store),
+``store`` (hosting or reaching the TCPStore and its ``CoordinationStore`` view) and
+``succession`` (where the job's store is and how it moves: the standbys and the
+handover). Imports core's ``rendezvous`` (the round), ``tcpstore``, ``interfaces`` and
+``log``; may import core's public rooms only (contract ``plugins-public-core``).
 """
 
 from __future__ import annotations

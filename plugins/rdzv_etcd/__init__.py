@@ -11,6 +11,12 @@ name for ``join_timeout``); ``last_call_timeout``. Besides them: the round's key
 ``password`` or ``password_file``, ``read_timeout``, ``retry_timeout``; the password may
 also come from the environment, ``elastic.core.rendezvous.secrets``). ``keep_alive_ttl``, the old
 protocol's liveness, is refused with a line pointing to ``heartbeat_timeout``.
+
+Owns ``backend`` (the shared round over etcd's v2 API, for ``etcd`` and ``etcd-v2``),
+``store`` (the etcd v2 ``CoordinationStore``) and ``client`` (the python-etcd client and
+its retries). Imports core's ``rendezvous``, ``plugin`` (the ``etcd`` extra's line) and
+``interfaces``, and python-etcd and urllib3; may import core's public rooms only
+(contract ``plugins-public-core``), no torch.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ State is JSON; nothing read from etcd is ever unpickled.
 
 etcd 3.4/3.5 serve the v2 API only with ``--enable-v2``, and etcd 3.6 removed it: prefer
 the ``etcd-v3`` backend, which needs neither.
+
+No module of its own: it imports ``elastic.plugins.rdzv_etcd.backend`` (the adapter)
+and core's ``interfaces``; may import core's public rooms only (contract
+``plugins-public-core``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ attached to the client's lease (gone within its TTL when the client dies), and
 Exports (imported on first use, so importing this package costs nothing):
 ``EtcdV3Store``, ``store_from_params``, ``CONNECTION_KEYS`` (from ``store``);
 ``V3Config``, ``EtcdV3AuthError`` (from ``client``).
+
+Owns ``backend`` (``create_handler``: the shared round over this store), ``store``
+(``EtcdV3Store``), ``client`` (the JSON gateway over urllib3, across members), ``lease``
+(the store's lease and its keep-alive thread) and ``replies`` (what the gateway sends
+back, checked). Imports core's ``rendezvous``, ``plugin`` (the ``etcd`` extra's line) and
+``interfaces``, and urllib3; may import core's public rooms only (contract
+``plugins-public-core``), no torch.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ which the workers use too, as under torchrun (``handler.py`` says how attempts s
 
 Importing this module must not import torch: it is imported when the backend is
 chosen, and torch is only needed once a rendezvous actually runs.
+
+Owns ``handler`` (the fixed-membership rendezvous), ``store`` (node 0's TCPStore,
+hosted or reached, and its keys) and ``status`` (``elastic status`` for a static job).
+Imports core's ``rendezvous``, ``tcpstore``, ``interfaces`` and ``log``; may import
+core's public rooms only (contract ``plugins-public-core``).
 """
 
 from __future__ import annotations

@@ -14,5 +14,6 @@ small coordination store. Owns, top to bottom (its own order, contract ``round``
                     records, judges   keys and JSON records; the thread that judges leases
                       signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
 
-May import, outside the round, what ``rendezvous`` may (``plugin``, ``workers``,
-``tcpstore``, ``interfaces``, ``log``) and its siblings ``net`` and ``fingerprint``."""
+Imports, outside the round, ``tcpstore`` (``presence``: the listening limits),
+``interfaces``, ``log`` and its siblings ``net``, ``fingerprint`` and ``secrets``; it may
+import what ``rendezvous`` may, nothing above it."""
