@@ -581,9 +581,13 @@ def kill_presence(handler: C10dRendezvousHandler) -> None:
     for conn in list(server._conns.values()):
         conn.sock.close()
     server._sock.close()
-    if handler._monitor is not None and handler._monitor._client is not None:
-        sock = handler._monitor._client._sock
-        handler._monitor._client._stop.set()
+    monitor = handler._monitor
+    clients = [] if monitor is None else [monitor._client, monitor._deputy_client]
+    for client in clients:  # to rank 0 and to rank 1, the deputy
+        if client is None:
+            continue
+        sock = client._sock
+        client._stop.set()
         if sock is not None:  # shutdown: a close alone waits for the blocked recv
             sock.shutdown(socket.SHUT_RDWR)
             sock.close()

@@ -54,6 +54,10 @@ from elastic.core.rendezvous.round.signing import parse_counter, read_values
 log = logging.getLogger(__name__)
 
 RDZV = "rdzv/"  # the round's keys, under the job's view
+# The ranks whose presence port is used: rank 0 and its deputy, rank 1. Every member
+# holds a connection to each of them but itself, so when rank 0 leaves (a preemption),
+# a member that dies while the others re-form is still found by a closed connection.
+SERVING_RANKS = (0, 1)
 
 
 @dataclass
@@ -150,8 +154,9 @@ class Monitor:
     """``store``: the job's view (the round's keys are under ``rdzv/``), on a connection
     of this thread's own; ``lease_store``: another of the same view for the keep-alives
     (None: ``store``, for tests); ``presence``: this agent's presence port
-    (``presence.py``), served when it is rank 0; ``hello``: what this node answers rank
-    0's challenge with, given the round and the challenge (``presence.hello_line``)."""
+    (``presence.py``), served when it is rank 0 or 1 (``SERVING_RANKS``); ``hello``: what
+    this node answers a serving rank's challenge with, given the round and the challenge
+    (``presence.hello_line``)."""
 
     def __init__(
         self,
@@ -180,9 +185,11 @@ class Monitor:
         self._tick_now = False  # a presence connection closed: tick at once
         self._presence = presence
         self._hello = hello
-        self._client: PresenceClient | None = None
-        self._connect_in: R.Assignment | None = None  # the round whose rank 0 to connect to
-        self._gone: set[str] = set()  # rank 0, when our connection to it died
+        self._client: PresenceClient | None = None  # to rank 0
+        self._deputy_client: PresenceClient | None = None  # to rank 1
+        # The round whose serving ranks to connect to, and our rank in it.
+        self._connect_in: tuple[R.Assignment, int] | None = None
+        self._gone: set[str] = set()  # serving ranks whose connection from us died
         if presence is not None:
             presence.on_change = self._want_tick
         self._thread: threading.Thread | None = None
@@ -262,9 +269,12 @@ class Monitor:
     ) -> None:
         """The round this node is a member of (None: none runs); ``outcome_sent``: when
         the request that brought its outcome was sent (``Lease.arm``); ``members``: the
-        round's, by rank, which rank 0 watches (the others watch only rank 0)."""
-        others = [m for m in members if m != self.node_id] if rank == 0 else []
+        round's, by rank: rank 0 watches their heartbeats (the others watch only rank 0's),
+        ranks 0 and 1 their presence connections."""
+        others = [m for m in members if m != self.node_id] if rank in SERVING_RANKS else []
         with self._lock:
+            # A serving rank of the last round whose deaths while the job re-formed count.
+            listened = self._between_rank in SERVING_RANKS
             # A regroup (no round runs): the last round's presence holds until the next
             # forms, its connections kept and its deaths published (``_check_between``),
             # so a member that dies while the others re-form is found by its closed
@@ -280,16 +290,17 @@ class Monitor:
             self._events_seen = None
             if not regroup:
                 self._published, self._gone = [], set()
-            # A member connects to rank 0's presence port from this thread, woken for it
-            # now (not on the round's first tick, an interval later: a member killed in
-            # its round's first second would be seen only after heartbeat_timeout); the
-            # round's forming is not held up by the connection.
-            self._connect_in = asg if rank and asg is not None and asg.presence_port else None
-            # The old round's connection goes in the same step: a tick that runs from here
-            # on makes the new round's, which nothing may stop. A regroup keeps it.
-            old = None
+            # A member connects to the serving ranks' presence ports from this thread,
+            # woken for it now (not on the round's first tick, an interval later: a member
+            # killed in its round's first second would be seen only after
+            # heartbeat_timeout); the round's forming is not held up by the connections.
+            self._connect_in = (asg, rank) if asg is not None and rank is not None else None
+            # The old round's connections go in the same step: a tick that runs from here
+            # on makes the new round's, which nothing may stop. A regroup keeps them.
+            old: list[PresenceClient | None] = []
             if asg is not None or self._between is None:
-                old, self._client = self._client, None
+                old = [self._client, self._deputy_client]
+                self._client = self._deputy_client = None
             if asg is not None:
                 # The round's first tick comes an interval after it formed, not at once:
                 # its outcome is fresh, and a thousand members returning together do not
@@ -297,14 +308,15 @@ class Monitor:
                 self._next_tick = time.monotonic() + self.interval
         if self._connect_in is not None:
             self._wake.set()
-        if old is not None:
-            old.stop()
+        for client in old:
+            if client is not None:
+                client.stop()
         self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
-        if rank == 0 and asg is not None and self._presence is not None:
-            # A member of the new round whose connection to us (rank 0 of the last round
-            # too) closed unasked while the job re-formed died after it joined: the new
-            # round starts with it lost, not with a wait for its heartbeat.
-            died = [n for n in self._presence.gone(grace=0.0) if n in others]
+        if rank in SERVING_RANKS and asg is not None and self._presence is not None:
+            # A member of the new round whose connection to us (a serving rank of the last
+            # round too) closed unasked while the job re-formed died after it joined: the
+            # new round starts with it lost, not with a wait for its heartbeat.
+            died = [n for n in self._presence.gone(grace=0.0) if n in others and listened]
             self._presence.watch(others, asg.round)
             if died:
                 with self._lock:
@@ -314,30 +326,40 @@ class Monitor:
 
     def _connect_presence(self) -> None:
         with self._lock:
-            asg, self._connect_in = self._connect_in, None
-        if asg is None or self._hello is None:
+            connect, self._connect_in = self._connect_in, None
+        if connect is None or self._hello is None:
             return
-        rank0, hello, rnd = asg.first, self._hello, asg.round
-        client = PresenceClient(
-            asg.master_addr,
-            asg.presence_port,
-            lambda nonce: hello(rnd, nonce),
-            lambda: self._died(asg, rank0),
-        )
+        asg, rank = connect
+        hello, rnd = self._hello, asg.round
+
+        def client(addr: str, port: int, node: str, serving: int) -> PresenceClient | None:
+            valid = isinstance(addr, str) and isinstance(port, int) and 0 < port < 65536
+            if rank == serving or not valid or not isinstance(node, str):
+                return None  # ourselves, or none (a round of one, an older coordinator)
+            return PresenceClient(
+                addr, port, lambda nonce: hello(rnd, nonce), lambda: self._died(asg, node)
+            )
+
+        first = client(asg.master_addr, asg.presence_port, asg.first, 0)
+        deputy = client(asg.deputy_addr, asg.deputy_port, asg.deputy, 1)
         with self._lock:
-            if asg is self._round and self._client is None:
-                self._client = client
+            if asg is self._round and self._client is None and self._deputy_client is None:
+                self._client, self._deputy_client = first, deputy
                 return
-        client.stop()  # the round changed meanwhile
+        for late in (first, deputy):  # the round changed meanwhile
+            if late is not None:
+                late.stop()
 
     def _stop_client(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.stop()
+            clients = [self._client, self._deputy_client]
+            self._client = self._deputy_client = None
+        for client in clients:
+            if client is not None:
+                client.stop()
 
     def _died(self, asg: R.Assignment, node: str) -> None:
-        """Our connection to ``node`` (rank 0) closed and its port refuses us."""
+        """Our connection to ``node`` (a serving rank) closed and its port refuses us."""
         with self._lock:
             if asg is not self._round and asg is not self._between:
                 return
@@ -396,7 +418,8 @@ class Monitor:
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            watching = self._rank == 0 or (self._round is None and self._between_rank == 0)
+            rank = self._rank if self._round is not None else self._between_rank
+            watching = rank in SERVING_RANKS
             presence = self._presence if watching else None
             due = presence.next_due(self._published) if presence is not None else None
             with self._lock:
@@ -519,9 +542,9 @@ class Monitor:
     ) -> list[str]:
         stale, _ = self._tracker.update(beats, asked, answered)
         with self._lock:
-            dead = set(self._gone)  # a member: rank 0's process died
-        if self._presence is not None and self._rank == 0:
-            dead.update(self._presence.gone())  # rank 0: these members' processes died
+            dead = set(self._gone)  # a serving rank's process died
+        if self._presence is not None and self._rank in SERVING_RANKS:
+            dead.update(self._presence.gone())  # these members' processes died
         new = sorted((set(stale) | dead) - set(self._published))
         if new:
             log.warning("round %d: lost %s", asg.round, ", ".join(new))
@@ -531,14 +554,15 @@ class Monitor:
 
     def _check_between(self) -> None:
         """While the job re-forms: publish the last round's members whose process died
-        (rank 0's closed connections, or ours to rank 0 refused) in its lost list; the
-        coordinator re-reads it when ``events`` moves and stops waiting for them."""
+        (a serving rank's closed connections, or ours to one refused) in its lost list;
+        the coordinator re-reads it when ``events`` moves and stops waiting for them.
+        Rank 0's deputy still listens when rank 0 itself left."""
         with self._lock:
             prev, prev_rank, dead = self._between, self._between_rank, set(self._gone)
             published = list(self._published)
         if prev is None:
             return
-        if prev_rank == 0 and self._presence is not None:
+        if prev_rank in SERVING_RANKS and self._presence is not None:
             dead.update(self._presence.gone())
         new = sorted(dead - set(published) - {self.node_id})
         if new:

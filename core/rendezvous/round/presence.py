@@ -1,10 +1,11 @@
 """Presence: a dead agent process is seen at once, not after ``heartbeat_timeout``.
 
 When a process dies (SIGKILL, OOM, a segfault) its kernel closes its TCP connections at
-once. Each member of a formed round keeps one connection to rank 0's agent
-(``PresenceClient`` -> ``PresenceServer``), so the process's death is an end of stream
-on the other side: rank 0 learns that a member died, a member learns that rank 0 died,
-and the monitor publishes the node as lost on its next tick (it is woken for it).
+once. Each member of a formed round keeps a connection to rank 0's agent and one to
+rank 1's, the deputy that still listens once rank 0 left (``PresenceClient`` ->
+``PresenceServer``), so the process's death is an end of stream on the other side: a
+serving rank learns that a member died, a member that a serving rank died, and the
+monitor publishes the node as lost on its next tick (it is woken for it).
 
 A connection that closes is not yet a death. A network blip, a proxy, or the other side
 restarting its client closes it too, while the process lives on: a closed connection
@@ -118,8 +119,8 @@ class _Conn:
 
 
 class PresenceServer:
-    """Rank 0's end (every agent listens; only rank 0's port is used): who of the
-    round's members has no connection left, and since when."""
+    """A serving rank's end (every agent listens; only ranks 0 and 1 are connected to):
+    who of the round's members has no connection left, and since when."""
 
     def __init__(self, addr: str, token: bytes | None, run_id: str) -> None:
         self._token, self._run_id = token, run_id
@@ -299,8 +300,8 @@ class PresenceServer:
 
 
 class PresenceClient:
-    """A member's end: one connection to rank 0's agent; ``on_gone()`` once when rank 0's
-    process is gone (its connection closed unasked and did not come back)."""
+    """A member's end: one connection to a serving rank's agent; ``on_gone()`` once when
+    its process is gone (its connection closed unasked and did not come back)."""
 
     def __init__(
         self, addr: str, port: int, hello: Callable[[str], bytes], on_gone: Callable[[], None]

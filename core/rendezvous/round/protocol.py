@@ -482,6 +482,9 @@ class RoundProtocol:
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
             presence_port=_port(chosen[0].get("presence")),
+            deputy=chosen[1]["id"] if len(chosen) > 1 else "",
+            deputy_addr=chosen[1]["addr"] if len(chosen) > 1 else "",
+            deputy_port=_port(chosen[1].get("presence")) if len(chosen) > 1 else 0,
             successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
             change=membership_change(prev_roster, roster),
         )
