@@ -5,11 +5,12 @@ small coordination store. Owns, top to bottom (its own order, contract ``round``
     handler                  RoundRendezvousHandler, what a backend hands its stores to
       status                 describe(): the read-only view ``elastic status`` prints
         protocol             joining, coordinating and publishing one round
-          monitor, progress_lines   the background thread (liveness, departures,
-                                    scale-up, closing); the lines a person reads
-            lease, presence  keep-alives and fencing; a dead agent seen at once
-              records, judges   keys and JSON records; the thread that judges leases
-                signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
+          monitor, progress_lines   the background thread (departures, scale-up,
+                                    closing, job keys); the lines a person reads
+            liveness         who died: heartbeat values, presence links, lost lists
+              lease, presence  keep-alives and fencing; a dead agent seen at once
+                records, judges   keys and JSON records; the thread that judges leases
+                  signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
 
 May import, outside the round, what ``rendezvous`` may (``plugin``, ``workers``,
 ``tcpstore``, ``interfaces``, ``log``) and its siblings ``net`` and ``fingerprint``."""

@@ -31,13 +31,13 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import (
+from elastic.core.rendezvous.round.liveness import (
     SERVING_RANKS,
     LivenessTracker,
-    Monitor,
     add_lost,
     read_lost,
 )
+from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.rendezvous.round.protocol import RoundProtocol

@@ -29,7 +29,7 @@ from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.fingerprint import describe_differences, differences
 from elastic.core.rendezvous.net import free_port
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import LivenessTracker, note_event, read_lost
+from elastic.core.rendezvous.round.liveness import LivenessTracker, note_event, read_lost
 from elastic.core.rendezvous.round.progress_lines import RoundProgress, Say, membership_change
 from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.rendezvous.round.signing import wait_present
