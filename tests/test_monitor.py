@@ -222,11 +222,11 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
 def test_forming_a_round_starts_no_thread(c10d_job: Callable[[str, int], list[Any]]) -> None:
     """A round is only round trips: a handler's threads (monitor, keep-alives) start
     with it and a waiter waits on its own thread (no helper per WAIT); a thousand
-    handlers in one process spent seconds of a round starting threads. The threads a
-    round starts are each member's presence connections to rank 0 and to rank 1, its
-    deputy (each to the one of them it is not), made at once by its monitor thread once
-    the round formed (presence holds from the round's first instant), never on the way
-    to the round."""
+    handlers in one process spent seconds of a round starting threads. The one thread a
+    round starts at once is each member's presence connection to rank 0, made by its
+    monitor thread once the round formed (presence holds from the round's first
+    instant), never on the way to the round (one to rank 1, the deputy, only once rank 0
+    is gone)."""
     n = 4
     handlers = c10d_job("no-threads", n)
     go = threading.Event()
@@ -248,7 +248,7 @@ def test_forming_a_round_starts_no_thread(c10d_job: Callable[[str, int], list[An
         time.sleep(0.5)  # well before the round's first tick (an interval: 1 s)
         started = set(threading.enumerate()) - before
         names = sorted(t.name for t in started)
-        assert names == ["rdzv-presence-client"] * 2 * (n - 1), names
+        assert names == ["rdzv-presence-client"] * (n - 1), names
     finally:
         go.set()
 

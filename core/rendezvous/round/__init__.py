@@ -7,10 +7,11 @@ small coordination store. Owns, top to bottom (its own order, contract ``round``
         protocol             joining, coordinating and publishing one round
           monitor, progress_lines   the background thread (departures, scale-up,
                                     closing, job keys); the lines a person reads
-            liveness         who died: heartbeat values, presence links, lost lists
-              lease, presence  keep-alives and fencing; a dead agent seen at once
-                records, judges   keys and JSON records; the thread that judges leases
-                  signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
+            liveness         who died: heartbeat values, presence, lost lists
+              links, lease   connections to rank 0 and its deputy; keep-alives, fencing
+                presence     a dead agent seen at once (the port and its client)
+                  records, judges   keys and JSON records; the thread that judges leases
+                    signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
 
 May import, outside the round, what ``rendezvous`` may (``plugin``, ``workers``,
 ``tcpstore``, ``interfaces``, ``log``) and its siblings ``net`` and ``fingerprint``."""

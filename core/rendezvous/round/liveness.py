@@ -9,13 +9,11 @@ heartbeat key that vanished (an etcd lease or TTL ran out) reads as an unchanged
 the same rule judges it. "left" is a departure, lost at once.
 
 A process that dies is seen sooner, by its presence connections (``presence.py``): the
-round's serving ranks (``SERVING_RANKS``: rank 0 and its deputy, rank 1) listen, and every
-member holds a connection to each of them but itself (``PresenceLinks``), from the
-instant the round forms and through a regroup. So when rank 0 leaves (a preemption), a
-member that dies while the others re-form is still found by a closed connection.
-
-A round's lost list (``r/<n>/lost``) is where every verdict is published: merged with
-compare_set (``add_lost``), announced through the ``events`` counter (``note_event``).
+round's serving ranks (``SERVING_RANKS``: rank 0 and its deputy, rank 1) listen, every
+member holds a connection to rank 0 and, once rank 0 is gone, to the deputy
+(``links.py``), through a regroup too. So when rank 0 leaves (a preemption), a member
+that dies while the others re-form is still found by a closed connection. Every verdict
+goes to the round's lost list (``add_lost``: merged with compare_set, ``note_event``).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from dataclasses import dataclass
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousStateError
 from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.links import PresenceLinks
 from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
 from elastic.core.rendezvous.round.signing import read_values
 
@@ -128,106 +127,6 @@ def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
     raise RendezvousStateError(f"could not update {store.prefix + key!r}: too much contention")
 
 
-class PresenceLinks:
-    """This node's presence connections to its round's serving ranks (a
-    ``PresenceClient`` to each that is not itself), made on the monitor thread
-    (``connect``), and the serving ranks they found dead. ``hello``: what this node
-    answers a serving rank's challenge with, given the round and the challenge
-    (``presence.hello_line``); ``on_dead``: called (on a client's thread) when one died."""
-
-    def __init__(
-        self, hello: Callable[[int, str], bytes] | None, on_dead: Callable[[], None]
-    ) -> None:
-        self.hello = hello
-        self._on_dead = on_dead
-        self._lock = threading.Lock()
-        self._asg: R.Assignment | None = None  # the round whose serving ranks we watch
-        self._plan: tuple[R.Assignment, int] | None = None  # to connect to, and our rank
-        self.client: PresenceClient | None = None  # to rank 0
-        self.deputy_client: PresenceClient | None = None  # to rank 1
-        self._gone: set[str] = set()  # found dead (a serving rank, or carried over)
-
-    def follow(
-        self, asg: R.Assignment | None, rank: int | None, keep: bool
-    ) -> list[PresenceClient]:
-        """Round ``asg`` (our ``rank`` in it) is ours now: connect to its serving ranks
-        on the next ``connect``. ``keep`` (no round, a regroup): the last round's
-        connections hold. Returns the connections dropped, for the caller to stop once
-        out of its own lock."""
-        with self._lock:
-            self._plan = (asg, rank) if asg is not None and rank is not None else None
-            if asg is None and keep:
-                return []
-            old = [c for c in (self.client, self.deputy_client) if c is not None]
-            self.client = self.deputy_client = None
-            self._asg = asg
-            return old
-
-    @property
-    def planned(self) -> bool:
-        with self._lock:
-            return self._plan is not None
-
-    def connect(self) -> None:
-        """Open the connections ``follow`` asked for, if any (never blocks: each client
-        connects on its own thread)."""
-        with self._lock:
-            plan, self._plan = self._plan, None
-        if plan is None or self.hello is None:
-            return
-        asg, rank = plan
-        hello, rnd = self.hello, asg.round
-
-        def client(addr: str, port: int, node: str, serving: int) -> PresenceClient | None:
-            valid = isinstance(addr, str) and isinstance(port, int) and 0 < port < 65536
-            if rank == serving or not valid or not isinstance(node, str):
-                return None  # ourselves, or none (a round of one, an older coordinator)
-            return PresenceClient(
-                addr, port, lambda nonce: hello(rnd, nonce), lambda: self._died(asg, node)
-            )
-
-        first = client(asg.master_addr, asg.presence_port, asg.first, 0)
-        deputy = client(asg.deputy_addr, asg.deputy_port, asg.deputy, 1)
-        with self._lock:
-            if asg is self._asg and self.client is None and self.deputy_client is None:
-                self.client, self.deputy_client = first, deputy
-                return
-        for late in (first, deputy):  # the round changed meanwhile
-            if late is not None:
-                late.stop()
-
-    def stop(self) -> None:
-        with self._lock:
-            clients = [self.client, self.deputy_client]
-            self.client = self.deputy_client = None
-        for client in clients:
-            if client is not None:
-                client.stop()
-
-    def gone(self) -> set[str]:
-        with self._lock:
-            return set(self._gone)
-
-    def forget(self) -> None:
-        """A new round (not a regroup): deaths seen before it no longer count."""
-        with self._lock:
-            self._gone = set()
-
-    def add_gone(self, asg: R.Assignment, nodes: list[str]) -> None:
-        """``nodes`` died; counted only while ``asg`` is still the round followed."""
-        with self._lock:
-            if asg is self._asg:
-                self._gone.update(nodes)
-
-    def _died(self, asg: R.Assignment, node: str) -> None:
-        """Our connection to ``node`` (a serving rank) closed and its port refuses us."""
-        with self._lock:
-            if asg is not self._asg:
-                return
-            self._gone.add(node)
-        self._on_dead()
-
-
 class Liveness:
     """Who of this node's round died, and publishing it: the heartbeats it watches, its
     presence connections (``links``) and, when it serves, its members' connections to
@@ -289,10 +188,10 @@ class Liveness:
                 self._published = []
                 self.links.forget()
             keep = asg is None and self.between is not None
-        # A member connects to the serving ranks' presence ports from the monitor thread,
-        # woken for it now (not on the round's first tick, an interval later: a member
-        # killed in its round's first second would be seen only after
-        # heartbeat_timeout); the round's forming is not held up by the connections.
+        # A member connects to rank 0's presence port from the monitor thread, woken for
+        # it now (not on the round's first tick, an interval later: a member killed in
+        # its round's first second would be seen only after heartbeat_timeout); the
+        # round's forming is not held up by the connection.
         # The old round's connections go in the same step: a tick that runs from here
         # on makes the new round's, which nothing may stop. A regroup keeps them.
         old = self.links.follow(asg, rank, keep)
