@@ -177,7 +177,7 @@ def _record_parsers() -> Callable[[bytes], None]:
     from elastic.core.interfaces.rendezvous import RendezvousStateError
     from elastic.core.rendezvous.round import presence
     from elastic.core.rendezvous.round import records as R
-    from elastic.core.rendezvous.round.monitor import parse_lost
+    from elastic.core.rendezvous.round.liveness import parse_lost
     from elastic.core.rendezvous.round.progress_lines import Forming
     from elastic.core.rendezvous.round.signing import parse_counter
 
@@ -261,7 +261,7 @@ def replay() -> OneInput:
     failed flag always."""
     from elastic.core.agent.restarts import claim_restart, job_failed, restarts_used
     from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
-    from elastic.core.rendezvous.round.monitor import add_lost, read_lost
+    from elastic.core.rendezvous.round.liveness import add_lost, read_lost
     from elastic.core.rendezvous.round.signing import SignedStore
     from elastic.core.tcpstore import TCPStoreServer
     from elastic.core.tcpstore.view import Connection, PrefixStore

@@ -6,7 +6,13 @@ Before, a member connected to rank 0's presence port on its round's first tick, 
 interval after the round formed, and presence ended when a regroup began, so either kill
 waited for the heartbeats. Real agents (``elastic run``) on loopback, on c10d (a member
 killed) and etcd-v3 (rank 0 killed in its round's first second: every member watches
-it)."""
+it).
+
+On simulated hosts (``cluster_factory``): the round's rank 0 is preempted (SIGTERM: it
+leaves, and with it the presence port every member held a connection to) and another node
+is SIGKILLed while the survivors regroup. Rank 1, the deputy, serves presence too, so the
+crash is still seen by a closed connection; the survivors run again within
+``AFTER_KILL`` s of the kill (``heartbeat_timeout``: 30 s)."""
 
 from __future__ import annotations
 
@@ -15,11 +21,14 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from elastic.harness.cluster import Cluster, Host
 from elastic.harness.commands import write_script as script
+from elastic.harness.multihost import FaultJob, serve_rendezvous
 from elastic.harness.processes import Processes
 from elastic.testing.waits import wait_until
 
@@ -27,6 +36,7 @@ pytest_plugins = ["elastic.testing.etcd"]
 pytestmark = pytest.mark.slow
 
 SEEN_WITHIN = 8.0  # s from the kill to the survivors' new round (heartbeat_timeout: 30 s)
+AFTER_KILL = 2.5  # s from the kill to the survivors' new workers (issue 34, item 2)
 CONF = "heartbeat_interval=1,heartbeat_timeout=30,last_call_timeout=1"
 SLOW_LAST_CALL = "heartbeat_interval=1,heartbeat_timeout=30,last_call_timeout=30"
 
@@ -166,3 +176,58 @@ def test_a_kill_while_the_others_regroup_is_seen_at_once(
     (out / "stop").touch()
     for i in survivors:
         assert four[i].wait(timeout=30) == 0, texts(tmp_path, 4)[i]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("backend", "killed"), [("c10d", 2), ("etcd-v3", 2), ("etcd-v3", 1)], ids=str
+)
+def test_a_kill_while_the_others_regroup_after_rank_0_left_is_seen_at_once(
+    cluster_factory: Callable[..., Cluster], tmp_path: Path, backend: str, killed: int
+) -> None:
+    """Four simulated hosts; the round's rank 0 is SIGTERMed (it leaves: its presence
+    port closes, saying goodbye), and the node of rank ``killed`` is SIGKILLed as soon as
+    a survivor's worker was stopped for the regroup. With 30 s heartbeat and last-call
+    timeouts, only a presence connection (to or from rank 1, the deputy) can explain the
+    survivors running again within ``AFTER_KILL`` s."""
+    cluster = cluster_factory(4 if backend == "c10d" else 5)
+    nodes, endpoint = serve_rendezvous(cluster, backend, tmp_path, 4)
+    job = FaultJob(
+        cluster,
+        tmp_path / "job",
+        backend,
+        endpoint,
+        nnodes="2:4",
+        conf={"heartbeat_interval": 1, "heartbeat_timeout": 30, "last_call_timeout": 30},
+        args=["--max-restarts=3"],
+    )
+    try:
+        assert job.start_together(nodes, 90), f"the 4-node job did not form\n{job.texts()}"
+        time.sleep(1.5)  # every member's presence connections are up, the round runs
+
+        def of_rank(rank: int) -> Host:
+            return next(h for h in nodes if (r := job.latest(h)) and r["group_rank"] == rank)
+
+        leaving, crashing = of_rank(0), of_rank(killed)
+        survivors = [h for h in nodes if h not in (leaving, crashing)]
+        signalled = time.time()
+        os.kill(job.nodes[leaving.name].proc.pid, signal.SIGTERM)
+        # The survivors' agents stopped a worker: they regroup now.
+        stopped = wait_until(
+            lambda: any(r["t"] > signalled for h in survivors for r in job.stops(h)),
+            20,
+            interval=0.01,
+        )
+        assert stopped, f"the survivors did not regroup after rank 0 left\n{job.texts()}"
+        killed_at = time.time()
+        crashing.kill()
+        ran = wait_until(lambda: job.running_together(survivors, killed_at), 45)
+        assert ran, f"the survivors did not run again\n{job.texts()}"
+        took = job.regroup_time(survivors, killed_at)
+        print(
+            f"{backend}: rank {killed} killed {killed_at - signalled:.2f}s after rank 0's "
+            f"SIGTERM; the survivors ran again {took:.2f}s after the kill"
+        )
+        assert took <= AFTER_KILL, f"{took:.2f}s\n{job.texts()}"
+    finally:
+        job.finish()

@@ -15,7 +15,8 @@ import pytest
 from elastic.core.agent.fence import FenceGuard
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.lease import STOP_MARGIN
-from elastic.core.rendezvous.round.monitor import Monitor, add_lost
+from elastic.core.rendezvous.round.liveness import add_lost
+from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.core.workers.process import CommandWorker, peek_exit

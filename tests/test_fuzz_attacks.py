@@ -20,7 +20,7 @@ from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.job_keys import BUDGET_KEY, FAILED_KEY
 from elastic.core.rendezvous.round import presence
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import add_lost, read_lost
+from elastic.core.rendezvous.round.liveness import add_lost, read_lost
 from elastic.core.rendezvous.round.signing import SignedStore
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.harness.processes import Processes

@@ -223,9 +223,10 @@ def test_forming_a_round_starts_no_thread(c10d_job: Callable[[str, int], list[An
     """A round is only round trips: a handler's threads (monitor, keep-alives) start
     with it and a waiter waits on its own thread (no helper per WAIT); a thousand
     handlers in one process spent seconds of a round starting threads. The one thread a
-    round starts is each member's presence connection to rank 0, made at once by its
+    round starts at once is each member's presence connection to rank 0, made by its
     monitor thread once the round formed (presence holds from the round's first
-    instant), never on the way to the round."""
+    instant), never on the way to the round (one to rank 1, the deputy, only once rank 0
+    is gone)."""
     n = 4
     handlers = c10d_job("no-threads", n)
     go = threading.Event()

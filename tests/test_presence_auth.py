@@ -135,15 +135,15 @@ def make(port: int, tmp_path: Path) -> Iterator[Make]:
 def record_hellos(handler: C10dRendezvousHandler) -> list[bytes]:
     """Every hello ``handler`` sends, as someone on the network would record them."""
     monitor = handler._monitor
-    assert monitor is not None and monitor._hello is not None
+    assert monitor is not None and monitor.liveness.links.hello is not None
     sent: list[bytes] = []
-    say = monitor._hello
+    say = monitor.liveness.links.hello
 
     def recorded(rnd: int, nonce: str) -> bytes:
         sent.append(say(rnd, nonce))
         return sent[-1]
 
-    monitor._hello = recorded
+    monitor.liveness.links.hello = recorded
     return sent
 
 
@@ -172,9 +172,11 @@ def test_a_replayed_hello_after_a_round_forms_causes_no_regroup(make: Make) -> N
         assert all(h.lost_nodes() == [] for h in handlers)
         assert all(h.num_nodes_waiting() == 0 for h in handlers)
     # A crash is still found in about a second, not after heartbeat_timeout (30 s).
-    assert wait_until(lambda: victim._monitor is not None and victim._monitor._client, 10)
+    assert victim._monitor is not None
+    links = victim._monitor.liveness.links
+    assert wait_until(lambda: links.client, 10)
     victim._suspend_heartbeats()
-    client = victim._monitor._client  # type: ignore[union-attr]
+    client = links.client
     assert client is not None and client._sock is not None
     started = time.monotonic()
     client._stop.set()

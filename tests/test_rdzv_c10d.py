@@ -559,9 +559,14 @@ def kill_presence(handler: C10dRendezvousHandler) -> None:
     for conn in list(server._conns.values()):
         conn.sock.close()
     server._sock.close()
-    if handler._monitor is not None and handler._monitor._client is not None:
-        sock = handler._monitor._client._sock
-        handler._monitor._client._stop.set()
+    monitor = handler._monitor
+    links = None if monitor is None else monitor.liveness.links
+    clients = [] if links is None else [links.client, links.deputy_client]
+    for client in clients:  # to rank 0 and to rank 1, the deputy
+        if client is None:
+            continue
+        sock = client._sock
+        client._stop.set()
         if sock is not None:  # shutdown: a close alone waits for the blocked recv
             sock.shutdown(socket.SHUT_RDWR)
             sock.close()
@@ -589,8 +594,8 @@ def test_a_presence_connection_that_comes_back_is_not_a_death(make: Make) -> Non
     members = [h for h, i in zip(handlers, infos, strict=True) if i.rank > 0]
     time.sleep(0.5)
     for h in members:  # a blip: the connection closes under a live client
-        assert h._monitor is not None and h._monitor._client is not None
-        sock = h._monitor._client._sock
+        assert h._monitor is not None and h._monitor.liveness.links.client is not None
+        sock = h._monitor.liveness.links.client._sock
         assert sock is not None
         sock.shutdown(socket.SHUT_RDWR)
     time.sleep(2.0)  # four times the grace

@@ -8,11 +8,13 @@ small coordination store. Owns, top to bottom (its own order, contract ``round``
           coordinating       the lowest slot decides the round and publishes it
             joining          admission, a join slot, the wait for the outcome
               publishing     the round key, outcomes, rosters, the closed mark
-                monitor, progress_lines   the background thread (liveness, departures,
-                                          scale-up, closing); the lines a person reads
-                  lease, presence  keep-alives and fencing; a dead agent seen at once
-                    records, judges   keys and JSON records; the thread that judges leases
-                      signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
+                monitor, progress_lines   the background thread (departures, scale-up,
+                                          closing, job keys); the lines a person reads
+                  liveness         who died: heartbeat values, presence, lost lists
+                    links, lease   connections to rank 0 and its deputy; keep-alives, fencing
+                      presence     a dead agent seen at once (the port and its client)
+                        records, judges   keys and JSON records; the thread that judges leases
+                          signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
 
 Imports, outside the round, ``tcpstore`` (``presence``: the listening limits),
 ``interfaces``, ``log`` and its siblings ``net``, ``fingerprint`` and ``secrets``; it may

@@ -18,7 +18,7 @@ from typing import Any
 
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.joining import Joiner, timed_out
-from elastic.core.rendezvous.round.monitor import LivenessTracker
+from elastic.core.rendezvous.round.liveness import LivenessTracker
 from elastic.core.rendezvous.round.progress_lines import RoundProgress, membership_change
 from elastic.core.rendezvous.round.publishing import RoundOutcomes
 from elastic.core.rendezvous.round.settings import RoundSettings
@@ -123,6 +123,9 @@ class Coordinator:
             min_nodes=self.s.min_nodes,
             max_nodes=self.s.max_nodes,
             presence_port=_port(chosen[0].get("presence")),
+            deputy=chosen[1]["id"] if len(chosen) > 1 else "",
+            deputy_addr=chosen[1]["addr"] if len(chosen) > 1 else "",
+            deputy_port=_port(chosen[1].get("presence")) if len(chosen) > 1 else 0,
             successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
             change=membership_change(prev_roster, roster),
         )

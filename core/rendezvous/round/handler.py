@@ -31,7 +31,13 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import LivenessTracker, Monitor, add_lost, read_lost
+from elastic.core.rendezvous.round.liveness import (
+    SERVING_RANKS,
+    LivenessTracker,
+    add_lost,
+    read_lost,
+)
+from elastic.core.rendezvous.round.monitor import Monitor
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.rendezvous.round.protocol import RoundProtocol
@@ -159,8 +165,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         while True:
             try:
                 asg, rank = self.protocol.next_round()
-                # Rank 0 watches every member: it alone reads the round's roster.
-                members = self.protocol.roster(asg.round).members if rank == 0 else []
+                # The serving ranks watch every member: they alone read the roster.
+                members = self.protocol.roster(asg.round).members if rank in SERVING_RANKS else []
                 break
             except StoreTimeoutError as exc:  # an operation that should be instant hung
                 raise RendezvousConnectionError(

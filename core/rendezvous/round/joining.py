@@ -25,7 +25,7 @@ from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.fingerprint import describe_differences, differences
 from elastic.core.rendezvous.net import free_port
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import note_event
+from elastic.core.rendezvous.round.liveness import note_event
 from elastic.core.rendezvous.round.progress_lines import RoundProgress
 from elastic.core.rendezvous.round.publishing import RoundOutcomes
 from elastic.core.rendezvous.round.settings import RoundSettings

@@ -8,7 +8,7 @@ true it fences (stops its workers) and stays fenced for the round. ``length`` is
 Why the node fences at least ``STOP_MARGIN`` before any peer may declare it lost. A
 keep-alive writes a new value to the node's heartbeat key. A peer declares the node lost
 only after a read it *issued* at least ``heartbeat_timeout`` after it first *received*
-the value it still reads (``monitor.LivenessTracker``). Say that value was written by
+the value it still reads (``liveness.LivenessTracker``). Say that value was written by
 keep-alive k, sent at s_k. The peer received it after the store applied it, so after
 s_k: the peer's clock starts no earlier than s_k, and its verdict comes no earlier than
 s_k + heartbeat_timeout. And since that read still returns k's value, no later keep-alive

@@ -1,4 +1,5 @@
-"""The background thread: liveness, departures, scale-up, closing; and the node's lease.
+"""The background thread: departures, scale-up, closing, the job's keys; and the node's
+lease. Who is dead it asks ``liveness.py`` (heartbeat values, presence connections).
 
 Keep-alives and fencing are the lease's (``lease.py``: a store connection and a thread of
 their own, so nothing here delays them). This thread has a connection of its own too (a
@@ -17,14 +18,6 @@ rarely changing keys are read only when ``events`` moved (docs/architecture.md h
 counts). The agent's frequent ``lost_nodes()`` / ``num_nodes_waiting()`` /
 ``is_closed()`` calls return cached values and never block on the network.
 
-Liveness compares heartbeat *values*, not clocks: a member is lost when a read sent
-``heartbeat_timeout`` after we first received its current value, and at least
-``min_reads`` reads after that first one, still find that value. So neither clock skew
-nor this thread being starved on a loaded machine looks like a dead node, and a verdict
-never comes before the judged node's lease ran out (``lease.py`` has the argument). A
-heartbeat key that vanished (an etcd lease or TTL ran out) reads as an unchanged value:
-the same rule judges it. "left" is a departure, lost at once.
-
 Fencing (``fenced``): the others published us as lost, or our lease ran out; the agent
 then stops its workers, so a node cut off from the job never trains in a world that has
 moved on. It is told the moment either happens (``on_fenced``: from the lease's judge, or
@@ -37,7 +30,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import (
@@ -48,7 +40,8 @@ from elastic.core.interfaces.rendezvous import (
 )
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.lease import Expiry, Lease
-from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
+from elastic.core.rendezvous.round.liveness import SERVING_RANKS, Liveness, parse_lost
+from elastic.core.rendezvous.round.presence import PresenceServer
 from elastic.core.rendezvous.round.signing import parse_counter, read_values
 
 log = logging.getLogger(__name__)
@@ -56,102 +49,13 @@ log = logging.getLogger(__name__)
 RDZV = "rdzv/"  # the round's keys, under the job's view
 
 
-@dataclass
-class _Seen:
-    value: bytes
-    changed_at: float  # our monotonic clock
-    unchanged_reads: int = 0
-
-
-class LivenessTracker:
-    """Which of the watched nodes stopped changing their heartbeat value."""
-
-    def __init__(self, timeout: float, interval: float) -> None:
-        self.timeout = timeout
-        # At least three: a store paused while a keep-alive waits in it answers a peer at
-        # most once more with the old value (``lease.py``).
-        self.min_reads = max(3, int(timeout / interval) - 1)
-        self._seen: dict[str, _Seen] = {}
-
-    def update(
-        self, values: dict[str, bytes], asked: float, answered: float | None = None
-    ) -> tuple[list[str], list[str]]:
-        """Feed the values of a read sent at ``asked`` and answered at ``answered`` (our
-        monotonic clock; b"" for a missing key); returns (lost node ids: stale or
-        departed, node ids that finished cleanly). A value's clock starts when it was
-        first *received*, and a verdict needs a read *sent* ``timeout`` later: a slow
-        answer never shortens the time a node is given."""
-        answered = asked if answered is None else answered
-        lost, done = [], []
-        for node, value in values.items():
-            if value == R.DONE:
-                done.append(node)
-                continue
-            if value == R.LEFT:
-                lost.append(node)  # departed: no need to wait
-                continue
-            seen = self._seen.get(node)
-            if seen is not None and value == b"":
-                value = seen.value  # vanished (an etcd lease ran out): judged as unchanged
-            if seen is None or seen.value != value:
-                self._seen[node] = _Seen(value, answered)
-                continue
-            seen.unchanged_reads += 1
-            if asked - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
-                lost.append(node)
-        return lost, done
-
-
-def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
-    key = R.lost_key(rnd)
-    if rnd < 0 or not store.check([key]):
-        return []
-    return parse_lost(store.get(key), store.prefix + key)
-
-
-def parse_lost(raw: bytes | None, key: str) -> list[str]:
-    """A round's lost list as read from ``key`` (full name); absent or foreign: []."""
-    if not raw:
-        return []
-    value = R.loads(raw, key)
-    if not isinstance(value, list):
-        raise RendezvousStateError(f"rendezvous state key {key!r} is not a list")
-    return [str(v) for v in value]
-
-
-def note_event(store: CoordinationStore) -> None:
-    """Tell every member's heartbeat thread to re-read the round's keys; call it *after*
-    the write it announces, so a tick that sees the new count also sees the write.
-
-    ``events`` is a hint anyone reaching the store can write (it cannot be signed: the
-    store adds to it): readers take a value that is no counter as "something changed",
-    and with a token ``SignedStore.add`` replaces it rather than fail to add to it."""
-    store.add(R.EVENTS, 1)
-
-
-def add_lost(store: CoordinationStore, rnd: int, nodes: list[str]) -> list[str]:
-    """Merge ``nodes`` into round ``rnd``'s lost list with compare_set, so two nodes
-    publishing at once never erase each other's entries; returns the merged list."""
-    key = R.lost_key(rnd)
-    for _ in range(20):
-        raw = store.get(key) if store.check([key]) else b""
-        current = R.loads(raw, store.prefix + key) if raw else []
-        merged = sorted(set(current if isinstance(current, list) else []) | set(nodes))
-        if merged == sorted(current) and raw:
-            return merged
-        desired = R.dumps(merged).encode()
-        if bytes(store.compare_set(key, raw, desired)) == desired:
-            note_event(store)
-            return merged
-    raise RendezvousStateError(f"could not update {store.prefix + key!r}: too much contention")
-
-
 class Monitor:
     """``store``: the job's view (the round's keys are under ``rdzv/``), on a connection
     of this thread's own; ``lease_store``: another of the same view for the keep-alives
     (None: ``store``, for tests); ``presence``: this agent's presence port
-    (``presence.py``), served when it is rank 0; ``hello``: what this node answers rank
-    0's challenge with, given the round and the challenge (``presence.hello_line``)."""
+    (``presence.py``), served when it is rank 0 or 1 (``SERVING_RANKS``); ``hello``: what
+    this node answers a serving rank's challenge with, given the round and the challenge
+    (``presence.hello_line``)."""
 
     def __init__(
         self,
@@ -178,11 +82,9 @@ class Monitor:
         self._stop = threading.Event()
         self._wake = threading.Event()  # look now: a tick is wanted, or a connection
         self._tick_now = False  # a presence connection closed: tick at once
-        self._presence = presence
-        self._hello = hello
-        self._client: PresenceClient | None = None
-        self._connect_in: R.Assignment | None = None  # the round whose rank 0 to connect to
-        self._gone: set[str] = set()  # rank 0, when our connection to it died
+        self.liveness = Liveness(
+            self.store, node_id, interval, timeout, presence, hello, self._want_tick
+        )
         if presence is not None:
             presence.on_change = self._want_tick
         self._thread: threading.Thread | None = None
@@ -199,19 +101,11 @@ class Monitor:
         self._round: R.Assignment | None = None
         self._rank: int | None = None
         self._others: list[str] = []  # rank 0: the round's other members, whom it watches
-        self._tracker = LivenessTracker(timeout, interval)
         self._watch: tuple[int, str] | None = None
-        # Abandoning a forming round makes every node join again, so a coordinator gets
-        # twice the member timeout before we call it dead.
-        self._watch_tracker = LivenessTracker(2 * timeout, interval)
         self._refused_seen = 0
         # The events count the cached round facts (closed, waiting, lost) were read at;
         # None: read them on the next tick.
         self._events_seen: int | None = None
-        self._published: list[str] = []
-        # The last round and our rank in it while the job re-forms (``set_round``).
-        self._between: R.Assignment | None = None
-        self._between_rank: int | None = None
 
     @property
     def error(self) -> Exception | None:
@@ -235,7 +129,7 @@ class Monitor:
         self._stop.set()
         self._wake.set()
         self.lease.stop()
-        self._stop_client()
+        self.liveness.links.stop()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
 
@@ -262,87 +156,26 @@ class Monitor:
     ) -> None:
         """The round this node is a member of (None: none runs); ``outcome_sent``: when
         the request that brought its outcome was sent (``Lease.arm``); ``members``: the
-        round's, by rank, which rank 0 watches (the others watch only rank 0)."""
-        others = [m for m in members if m != self.node_id] if rank == 0 else []
+        round's, by rank: rank 0 watches their heartbeats (the others watch only rank 0's),
+        ranks 0 and 1 their presence connections."""
+        others = [m for m in members if m != self.node_id] if rank in SERVING_RANKS else []
         with self._lock:
-            # A regroup (no round runs): the last round's presence holds until the next
-            # forms, its connections kept and its deaths published (``_check_between``),
-            # so a member that dies while the others re-form is found by its closed
-            # connection, not by heartbeat_timeout in the coordinator's last call.
-            regroup = asg is None and self._round is not None
-            if regroup:
-                self._between, self._between_rank = self._round, self._rank
-            elif asg is not None:
-                self._between, self._between_rank = None, None
+            old, carried = self.liveness.follow(self._round, self._rank, asg, rank, others)
             self._round, self._rank, self._others = asg, rank, others
-            self._tracker = LivenessTracker(self.timeout, self.interval)
             self.waiting, self.lost = 0, []
             self._events_seen = None
-            if not regroup:
-                self._published, self._gone = [], set()
-            # A member connects to rank 0's presence port from this thread, woken for it
-            # now (not on the round's first tick, an interval later: a member killed in
-            # its round's first second would be seen only after heartbeat_timeout); the
-            # round's forming is not held up by the connection.
-            self._connect_in = asg if rank and asg is not None and asg.presence_port else None
-            # The old round's connection goes in the same step: a tick that runs from here
-            # on makes the new round's, which nothing may stop. A regroup keeps it.
-            old = None
-            if asg is not None or self._between is None:
-                old, self._client = self._client, None
             if asg is not None:
                 # The round's first tick comes an interval after it formed, not at once:
                 # its outcome is fresh, and a thousand members returning together do not
                 # read it again (nor connect to rank 0) while the last are still returning.
                 self._next_tick = time.monotonic() + self.interval
-        if self._connect_in is not None:
+        if self.liveness.links.planned:
             self._wake.set()
-        if old is not None:
-            old.stop()
-        self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
-        if rank == 0 and asg is not None and self._presence is not None:
-            # A member of the new round whose connection to us (rank 0 of the last round
-            # too) closed unasked while the job re-formed died after it joined: the new
-            # round starts with it lost, not with a wait for its heartbeat.
-            died = [n for n in self._presence.gone(grace=0.0) if n in others]
-            self._presence.watch(others, asg.round)
-            if died:
-                with self._lock:
-                    if asg is self._round:
-                        self._gone.update(died)
-                self._want_tick()
-
-    def _connect_presence(self) -> None:
-        with self._lock:
-            asg, self._connect_in = self._connect_in, None
-        if asg is None or self._hello is None:
-            return
-        rank0, hello, rnd = asg.first, self._hello, asg.round
-        client = PresenceClient(
-            asg.master_addr,
-            asg.presence_port,
-            lambda nonce: hello(rnd, nonce),
-            lambda: self._died(asg, rank0),
-        )
-        with self._lock:
-            if asg is self._round and self._client is None:
-                self._client = client
-                return
-        client.stop()  # the round changed meanwhile
-
-    def _stop_client(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
+        for client in old:
             client.stop()
-
-    def _died(self, asg: R.Assignment, node: str) -> None:
-        """Our connection to ``node`` (rank 0) closed and its port refuses us."""
-        with self._lock:
-            if asg is not self._round and asg is not self._between:
-                return
-            self._gone.add(node)
-        self._want_tick()
+        self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
+        if carried:
+            self._want_tick()
 
     def _want_tick(self) -> None:
         with self._lock:
@@ -354,7 +187,7 @@ class Monitor:
         and whether we may stay quiet (only the coordinator's liveness matters then)."""
         with self._lock:
             self._watch = watch
-            self._watch_tracker = LivenessTracker(2 * self.timeout, self.interval)
+            self.liveness.reset_watch()
         self.lease.set_quiet(quiet)
 
     @property
@@ -396,9 +229,7 @@ class Monitor:
     # -- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            watching = self._rank == 0 or (self._round is None and self._between_rank == 0)
-            presence = self._presence if watching else None
-            due = presence.next_due(self._published) if presence is not None else None
+            due = self.liveness.next_due(self._rank)
             with self._lock:
                 next_tick = self._next_tick
             wake_at = next_tick if due is None else min(next_tick, due)
@@ -406,7 +237,7 @@ class Monitor:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self._connect_presence()  # a new round's, at once (``set_round`` woke us)
+            self.liveness.links.connect()  # a new round's, at once (``set_round`` woke us)
             now = time.monotonic()
             with self._lock:
                 woken, self._tick_now = self._tick_now, False
@@ -436,7 +267,7 @@ class Monitor:
                 return
 
     def _tick(self) -> None:
-        self._connect_presence()
+        self.liveness.links.connect()
         with self._lock:
             asg, rank, watch, job_keys = self._round, self._rank, self._watch, self._job_keys
             others = self._others
@@ -444,7 +275,7 @@ class Monitor:
             self._check_coordinator(*watch)
         if asg is None or rank is None:
             # Between rounds the protocol itself sees closing and new rounds.
-            self._check_between()
+            self.liveness.check_between()
             return
         # Rank 0 watches everyone; everyone watches rank 0. A departing node publishes
         # itself, so everyone learns of a departure from the lost key within one tick.
@@ -472,7 +303,7 @@ class Monitor:
             closed, waiting = self._read_facts(facts, read)
         # A foreign heartbeat value (None) is no news: never "left", never "vanished".
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
-        lost = self._check_members(asg, beat_of, asked, answered)
+        lost = self.liveness.members(asg, rank, beat_of, asked, answered)
         with self._lock:
             current = asg is self._round  # not replaced by a new round meanwhile
             if current:
@@ -494,7 +325,7 @@ class Monitor:
         )
         # A value not signed for this job (None) is absent; a count that is no counter
         # (anyone may write one) is nobody waiting.
-        self._published = parse_lost(raw_lost, self.store.prefix + facts[2])
+        self.liveness.set_published(parse_lost(raw_lost, self.store.prefix + facts[2]))
         self._log_refused(parse_counter(raw_refused or b"") or 0)
         return bool(raw_closed), parse_counter(raw_waiting or b"") or 0
 
@@ -514,56 +345,9 @@ class Monitor:
                 )
             self._refused_seen = index
 
-    def _check_members(
-        self, asg: R.Assignment, beats: dict[str, bytes], asked: float, answered: float
-    ) -> list[str]:
-        stale, _ = self._tracker.update(beats, asked, answered)
-        with self._lock:
-            dead = set(self._gone)  # a member: rank 0's process died
-        if self._presence is not None and self._rank == 0:
-            dead.update(self._presence.gone())  # rank 0: these members' processes died
-        new = sorted((set(stale) | dead) - set(self._published))
-        if new:
-            log.warning("round %d: lost %s", asg.round, ", ".join(new))
-            # Publishing wakes every survivor (their next tick sees the events counter).
-            self._published = add_lost(self.store, asg.round, new)
-        return self._published
-
-    def _check_between(self) -> None:
-        """While the job re-forms: publish the last round's members whose process died
-        (rank 0's closed connections, or ours to rank 0 refused) in its lost list; the
-        coordinator re-reads it when ``events`` moves and stops waiting for them."""
-        with self._lock:
-            prev, prev_rank, dead = self._between, self._between_rank, set(self._gone)
-            published = list(self._published)
-        if prev is None:
-            return
-        if prev_rank == 0 and self._presence is not None:
-            dead.update(self._presence.gone())
-        new = sorted(dead - set(published) - {self.node_id})
-        if new:
-            log.warning("round %d: lost %s while the job re-forms", prev.round, ", ".join(new))
-            merged = add_lost(self.store, prev.round, new)
-            with self._lock:
-                if self._between is prev:
-                    self._published = merged
-
     def _check_coordinator(self, rnd: int, coordinator: str) -> None:
-        """A forming round's coordinator that stopped: its heartbeat (twice the member
-        timeout), or, at once, its process death published in the last round's lost list
-        while the job re-forms (``_check_between``: the last rank 0 saw its presence
-        connection close)."""
-        with self._lock:
-            prev = self._between
-        keys = [R.hb_key(coordinator)] + ([R.lost_key(prev.round)] if prev is not None else [])
-        asked = time.monotonic()
-        values = read_values(self.store, keys)
-        beat = values[0]
-        beats = {} if beat is None else {coordinator: beat}
-        stale, done = self._watch_tracker.update(beats, asked, time.monotonic())
-        lost = parse_lost(values[1], self.store.prefix + keys[1]) if prev is not None else []
-        dead = coordinator in lost
-        if stale or done or dead:
+        """Abandon a forming round whose coordinator stopped (``coordinator_stopped``)."""
+        if self.liveness.coordinator_stopped(coordinator):
             log.warning("round %d: coordinator %s stopped; abandoning the round", rnd, coordinator)
             # The same compare_set a coordinator publishes with: exactly one outcome wins,
             # and it wakes everyone waiting for this round.

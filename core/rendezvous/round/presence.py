@@ -1,32 +1,27 @@
 """Presence: a dead agent process is seen at once, not after ``heartbeat_timeout``.
 
 When a process dies (SIGKILL, OOM, a segfault) its kernel closes its TCP connections at
-once. Each member of a formed round keeps one connection to rank 0's agent
-(``PresenceClient`` -> ``PresenceServer``), so the process's death is an end of stream
-on the other side: rank 0 learns that a member died, a member learns that rank 0 died,
-and the monitor publishes the node as lost on its next tick (it is woken for it).
+once. Each member of a formed round keeps a connection to rank 0's agent, and to rank 1's
+(the deputy) once rank 0 is gone (``PresenceClient`` -> ``PresenceServer``), so a death is
+an end of stream on the other side, published as lost on a tick woken for it.
 
-A connection that closes is not yet a death. A network blip, a proxy, or the other side
-restarting its client closes it too, while the process lives on: a closed connection
+A connection that closes is not yet a death (a blip, a proxy, a client restarting): it
 counts only when no new one from the same node arrived within ``BLIP_GRACE``, and, on a
-member's side, when rank 0's port refuses new connections for that long (its process is
-gone, its host still answers). Saying goodbye (``bye``) before closing, as an agent does
-when it leaves a round on purpose (a new round, a finished job, a departure it has
-already published), is never a death. A machine that vanishes or a partition sends
-nothing: those stay with the heartbeats (``heartbeat_timeout``).
+member's side, when the serving rank's port refuses new connections for that long (its
+process is gone, its host still answers). Saying goodbye (``bye``) before closing, as an agent does
+when it leaves a round on purpose (a new round, a finished job, a published departure),
+is never a death. A vanished machine or a partition stays with the heartbeats.
 
 What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
 challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
 of at most ``HELLO_MAX`` bytes, within ``HELLO_WAIT``, naming itself and the round and
 carrying that challenge, signed with the job token when there is one (``hello_line``). A
-hello for another connection, round or node proves nothing, so one recorded on the network
-and replayed is refused: only a connection that proved itself counts, and only its close
-can make a member lost. Anything else (late, too long, not JSON, a signature that is not
-even ASCII) closes that connection alone, with one logged line; the thread never stops for
-a peer. Without a token a hello binds the round and node but anyone may send one: a job
-on a shared network sets a token. Connections are capped (``MAX_CONNECTIONS``, and the
-descriptor limit) and ``EMFILE`` pauses accepting, by the TCPStore server's rules
-(``elastic.core.tcpstore.limits``); each limit is logged once.
+hello for another connection, round or node proves nothing (a replay is refused): only
+a connection that proved itself counts, and only its close can make a member lost.
+Anything else (late, too long, not JSON, a non-ASCII signature) closes that connection
+alone, with one logged line. Without a token anyone may send a hello: a job on a shared
+network sets one. Connections are capped (``MAX_CONNECTIONS``, the descriptor limit) and
+``EMFILE`` pauses accepting, by ``elastic.core.tcpstore.limits``; each limit logged once.
 """
 
 from __future__ import annotations
@@ -118,8 +113,8 @@ class _Conn:
 
 
 class PresenceServer:
-    """Rank 0's end (every agent listens; only rank 0's port is used): who of the
-    round's members has no connection left, and since when."""
+    """A serving rank's end (every agent listens; only ranks 0 and 1 are connected to):
+    who of the round's members has no connection left, and since when."""
 
     def __init__(self, addr: str, token: bytes | None, run_id: str) -> None:
         self._token, self._run_id = token, run_id
@@ -299,15 +294,21 @@ class PresenceServer:
 
 
 class PresenceClient:
-    """A member's end: one connection to rank 0's agent; ``on_gone()`` once when rank 0's
-    process is gone (its connection closed unasked and did not come back)."""
+    """A member's end: one connection to a serving rank's agent; ``on_gone()`` once when
+    its process is gone (its connection closed unasked and did not come back),
+    ``on_bye()`` once when it said goodbye (it left on purpose)."""
 
     def __init__(
-        self, addr: str, port: int, hello: Callable[[str], bytes], on_gone: Callable[[], None]
+        self,
+        addr: str,
+        port: int,
+        hello: Callable[[str], bytes],
+        on_gone: Callable[[], None],
+        on_bye: Callable[[], None] = lambda: None,
     ) -> None:
         self._target = (addr, port)
         self._hello = hello  # our hello for rank 0's challenge
-        self._on_gone = on_gone
+        self._on_gone, self._on_bye = on_gone, on_bye
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._refused = False  # the last connect failed because nothing listened
@@ -366,8 +367,8 @@ class PresenceClient:
             if data and BYE.strip() not in data:
                 continue  # rank 0 sends nothing else; ignore it
             sock.close()
-            if self._stop.is_set() or data:
-                return  # we stopped, or rank 0 left on purpose (and published it)
+            if self._stop.is_set() or data:  # we stopped, or it left on purpose
+                return None if self._stop.is_set() else self._on_bye()
             deadline = time.monotonic() + BLIP_GRACE
             sock, refused = None, True
             while sock is None and time.monotonic() < deadline and not self._stop.is_set():

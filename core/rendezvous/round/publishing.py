@@ -22,7 +22,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStateError,
 )
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.monitor import note_event, read_lost
+from elastic.core.rendezvous.round.liveness import note_event, read_lost
 
 
 class RoundOutcomes:

@@ -176,6 +176,10 @@ class Assignment:
     min_nodes: int = 0  # the coordinator's settings, for ``elastic status``
     max_nodes: int = 0
     presence_port: int = 0  # rank 0's presence port (presence.py) at master_addr; 0: none
+    # Rank 1, the deputy: a second presence port, so a death is seen after rank 0 left.
+    deputy: str = ""  # its node id; "": none (a round of one)
+    deputy_addr: str = ""
+    deputy_port: int = 0
     # Where the job's store may move (c10d's handover): the first ``SUCCESSORS`` members'
     # standby stores, "host:port", in rank order.
     successors: list[str] = field(default_factory=list)
