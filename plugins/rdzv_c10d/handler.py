@@ -9,8 +9,10 @@ then the newest round's members in rank order, never a leaving one) and unmarks 
 others' connections find it there (``Succession.find``) and the job regroups without the
 holder, spending no restart; the new holder hands it on the same way when it leaves. A
 holder that dies without notice takes the store with it (the others exit with one line).
-A node that knows only ``--rdzv-endpoint`` finds a moved store only on a candidate
-endpoint (``succession.py``, "The limit").
+A node that knows only ``--rdzv-endpoint`` finds a moved store on a candidate endpoint,
+or, started on the first endpoint's host, by the redirect the holder writes into the new
+store it opened there (``redirect.py``); elsewhere it does not (``succession.py``, "The
+limit").
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreGoneError,
 )
 from elastic.core.log import say
 from elastic.core.rendezvous import net
@@ -34,6 +38,14 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.client import TOKEN_HINT
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.plugins.rdzv_c10d.redirect import (
+    ARRIVALS_KEY,
+    REDIRECT_GRACE,
+    REDIRECT_KEY,
+    Redirect,
+    Watch,
+    await_redirect,
+)
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
     host_store,
@@ -47,6 +59,7 @@ from elastic.plugins.rdzv_c10d.succession import (
     IDLE,
     LEAVING,
     STANDBY_KEY,
+    Identity,
     Succession,
     Successors,
     copy_into,
@@ -132,6 +145,10 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._own_mark = b""  # our standby's mark once we began to leave
         self._handing = threading.Lock()  # one handover, whichever thread gets there
         self._handed = False
+        # When this agent first reached a new store (generation 0) of an elastic job: its
+        # first round waits for a redirect (redirect.py); None once looked at, or not so.
+        self._new_store_since: float | None = None
+        self._watch: Watch | None = None
         if not self._try_hosting():
             if is_host and not params.read_only:
                 raise RendezvousConnectionError(
@@ -167,6 +184,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             # The run's store identity: the first agent to reach a new store names it.
             self._succession.learn(agent_conn.call("compare_set", key, "", new_identity(0)))
             agent_conn.open_waiter()
+            if self._elastic and (self._succession.known or (1, ""))[0] == 0:
+                self._new_store_since = time.monotonic()
+                agent_conn.call("add", prefix + ARRIVALS_KEY, 1)
         monitor_store = lease_store = None
         addr = params.local_addr or net.route_address(self.host, self.port)
         standby = ""
@@ -188,6 +208,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             lease_store = own_connection()  # the keep-alives' (``lease.py``)
             if self._server is None:
                 self._standby, standby = self._keep_standby(addr)
+                live = self._live_store
+                self._watch = Watch(self._candidates[0], params.run_id, self._token, live)
         super().__init__(
             params,
             settings,
@@ -211,6 +233,62 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 return server, net.join_host_port(host, port)
         server = TCPStoreServer(addr, 0, data=mark, token=self._token)
         return server, net.join_host_port(addr, server.port)
+
+    def _live_store(self) -> tuple[str, Identity] | None:
+        """(address, identity) of the moved store this node holds; None when it holds
+        none, or the first one (generation 0, at the first endpoint)."""
+        known = self._succession.known
+        if self._handed or not self._took_over() or known is None or known[0] == 0:
+            return None
+        return str(self.protocol.node.get("standby")), known
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._new_store_since is not None:
+            since, self._new_store_since = self._new_store_since, None
+            if self.protocol.last_formed(self.protocol.current_round()) is None:
+                store = self.job_store
+                found = await_redirect(
+                    lambda: store.read([REDIRECT_KEY])[0],
+                    lambda: int(
+                        self._conns[0].call("add", job_prefix(self.run_id) + ARRIVALS_KEY, 0)
+                    ),
+                    self.params.max_nodes,
+                    since,
+                )
+                if found is not None:
+                    self._follow(found)
+        return super().next_rendezvous()
+
+    def _follow(self, target: Redirect) -> None:
+        """Leave the new store for the run's moved one ``target`` names: stop hosting it
+        (after ``REDIRECT_GRACE``, so its other clients read the redirect too), let every
+        connection find the moved store, and keep a standby as any member does."""
+        host, port, ident = target
+        where = net.join_host_port(host, port)
+        self._succession.redirect = (host, port)
+        self._may_host = False
+        if self._server is not None:
+            time.sleep(REDIRECT_GRACE)
+            self._stop_hosting()
+        prefix = job_prefix(self.run_id)
+        deadline = time.monotonic() + HANDOVER_WAIT
+        for conn in self._conns:
+            while (conn.host, conn.port) != (host, port):
+                conn.call("check", [prefix])  # fails over to ``target`` once the store stops
+                if time.monotonic() >= deadline:
+                    raise RendezvousStoreGoneError(
+                        f"the c10d store at {self.host}:{self.port} was redirected to the "
+                        f"run's store at {where}, but it kept serving"
+                    )
+                time.sleep(0.05)
+        if self._standby is None:
+            self._standby, standby = self._keep_standby(self.addr)
+            self.protocol.node["standby"] = standby
+            self._watch = Watch(self._candidates[0], self.run_id, self._token, self._live_store)
+        say(
+            f"elastic: c10d: the run's store moved to {where} (generation {ident[0]}) before "
+            f"this agent started; redirected to the run's c10d store there"
+        )
 
     def _try_hosting(self) -> bool:
         """Host the store if this agent may and can listen on the endpoint: at start, and
@@ -238,8 +316,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
                 "leaves, the store moves to another member, and nodes that join after that "
-                "(a replacement on this host too) cannot find it there (name more candidate "
-                "hosts, --rdzv-endpoint=h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
+                "from other hosts cannot find it (a replacement on this host is redirected "
+                "to it; name more candidate hosts, --rdzv-endpoint=h0:port,h1:port,..., or use "
+                "--rdzv-backend=etcd-v3)"
             )
         return True
 
@@ -262,6 +341,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._succession.successors = Successors(self._candidates, asg.successors)
 
     def leave(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._standby is not None and not self._own_mark:
             # First: from now on no holder may choose us (or we learn that one did).
             standby = parse_endpoint(str(self.protocol.node.get("standby")))
@@ -341,6 +422,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say("elastic: no member took the c10d rendezvous store over; the job loses it")
 
     def after_shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._left:
             self._pass_on()  # done by now, unless the leaving thread was given up on
         with self._handing:  # a handover on another thread ends first
