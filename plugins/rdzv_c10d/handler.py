@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from elastic.core.interfaces.rendezvous import (
@@ -28,7 +27,6 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousError,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStoreGoneError,
 )
 from elastic.core.log import say
 from elastic.core.rendezvous import net
@@ -45,9 +43,11 @@ from elastic.plugins.rdzv_c10d.redirect import (
     Redirect,
     Watch,
     await_redirect,
+    move_connections,
 )
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
+    first_contact,
     host_store,
     parse_endpoint,
     parse_endpoints,
@@ -73,53 +73,10 @@ from elastic.plugins.rdzv_c10d.succession import (
 
 log = logging.getLogger(__name__)
 
-FIRST_CONTACT_PAUSE = 0.2  # s between attempts to reach a store that is not up yet
-FIRST_CONTACT_QUIET = 3.0  # s of waiting that are normal (the hosting agent is starting)
-
 
 def job_prefix(run_id: str) -> str:
     """Every key of a job lives under this: two run ids on one store never meet."""
     return f"elastic/{run_id}/"
-
-
-def first_contact(
-    conn: Connection, prefix: str, limit: float, try_hosting: Callable[[], bool]
-) -> None:
-    """Connect now (fail early, and not inside a round), waiting for a store that is not
-    up yet: agents of one job start at the same time on their machines, and the one that
-    hosts the store may well be the last to listen. Before we ever reached it, "connection
-    refused" means "not started yet", not "gone"; after that, it is final (the monitor
-    thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
-    torch's TCPStore client, which retries a refused connect until its timeout).
-
-    While nobody listens, ``try_hosting`` is asked again to take the endpoint: the agent
-    that won it may have died before listening, or something else held the port for a
-    moment; whoever can listen on the endpoint hosts, whenever that becomes possible."""
-    started = time.monotonic()
-    deadline = started + limit
-    told = False
-    while True:
-        try:
-            conn.call("check", [prefix])
-            return
-        except RendezvousConnectionError as exc:  # refused (StoreGone) or no answer
-            if try_hosting():
-                continue
-            if time.monotonic() + FIRST_CONTACT_PAUSE >= deadline:
-                raise RendezvousConnectionError(
-                    f"the c10d store at {conn.where} did not come up within "
-                    f"read_timeout={limit:g}s: {exc}"
-                ) from None
-            if not told and time.monotonic() - started >= FIRST_CONTACT_QUIET:
-                log.warning(
-                    "waiting for the c10d store at %s to come up (%s); retrying for up "
-                    "to read_timeout=%gs",
-                    conn.where,
-                    str(exc).split(";")[0],
-                    limit,
-                )
-                told = True
-            time.sleep(FIRST_CONTACT_PAUSE)
 
 
 class C10dRendezvousHandler(RoundRendezvousHandler):
@@ -243,51 +200,35 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         return str(self.protocol.node.get("standby")), known
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._new_store_since is not None:
-            since, self._new_store_since = self._new_store_since, None
-            if self.protocol.last_formed(self.protocol.current_round()) is None:
-                store = self.job_store
-                found = await_redirect(
-                    lambda: store.read([REDIRECT_KEY])[0],
-                    lambda: int(
-                        self._conns[0].call("add", job_prefix(self.run_id) + ARRIVALS_KEY, 0)
-                    ),
-                    self.params.max_nodes,
-                    since,
-                )
-                if found is not None:
-                    self._follow(found)
+        since, self._new_store_since = self._new_store_since, None
+        if since is not None and self.protocol.last_formed(self.protocol.current_round()) is None:
+            arrivals = job_prefix(self.run_id) + ARRIVALS_KEY
+            found = await_redirect(
+                lambda: self.job_store.read([REDIRECT_KEY])[0],
+                lambda: int(self._conns[0].call("add", arrivals, 0)),
+                self.params.max_nodes,
+                since,
+            )
+            if found is not None:
+                self._follow(found)
         return super().next_rendezvous()
 
     def _follow(self, target: Redirect) -> None:
-        """Leave the new store for the run's moved one ``target`` names: stop hosting it
-        (after ``REDIRECT_GRACE``, so its other clients read the redirect too), let every
-        connection find the moved store, and keep a standby as any member does."""
-        host, port, ident = target
-        where = net.join_host_port(host, port)
-        self._succession.redirect = (host, port)
+        """Leave the new store for the run's moved one ``target`` names (``redirect.py``),
+        and keep a standby as any member does."""
+        self._succession.redirect = target[:2]
         self._may_host = False
         if self._server is not None:
-            time.sleep(REDIRECT_GRACE)
+            time.sleep(REDIRECT_GRACE)  # its other clients read the redirect meanwhile
             self._stop_hosting()
-        prefix = job_prefix(self.run_id)
-        deadline = time.monotonic() + HANDOVER_WAIT
-        for conn in self._conns:
-            while (conn.host, conn.port) != (host, port):
-                conn.call("check", [prefix])  # fails over to ``target`` once the store stops
-                if time.monotonic() >= deadline:
-                    raise RendezvousStoreGoneError(
-                        f"the c10d store at {self.host}:{self.port} was redirected to the "
-                        f"run's store at {where}, but it kept serving"
-                    )
-                time.sleep(0.05)
+        move_connections(self._conns, target, job_prefix(self.run_id))
         if self._standby is None:
-            self._standby, standby = self._keep_standby(self.addr)
-            self.protocol.node["standby"] = standby
+            self._standby, self.protocol.node["standby"] = self._keep_standby(self.addr)
             self._watch = Watch(self._candidates[0], self.run_id, self._token, self._live_store)
         say(
-            f"elastic: c10d: the run's store moved to {where} (generation {ident[0]}) before "
-            f"this agent started; redirected to the run's c10d store there"
+            f"elastic: c10d: the run's store moved to {net.join_host_port(*target[:2])} "
+            f"(generation {target[2][0]}) before this agent started; redirected to the run's "
+            "c10d store there"
         )
 
     def _try_hosting(self) -> bool:

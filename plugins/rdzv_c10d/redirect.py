@@ -28,17 +28,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from elastic.core.interfaces.rendezvous import (
     RendezvousAuthError,
     RendezvousConfigError,
     RendezvousConnectionError,
+    RendezvousStoreGoneError,
 )
 from elastic.core.rendezvous.round.signing import seal, unseal
 from elastic.core.tcpstore import TCPStoreClient
+from elastic.core.tcpstore.view import Connection
 from elastic.plugins.rdzv_c10d.store import parse_endpoint
 from elastic.plugins.rdzv_c10d.succession import (
+    HANDOVER_WAIT,
     PROBE_TIMEOUT,
     STANDBY_KEY,
     Identity,
@@ -148,3 +151,19 @@ def await_redirect(
         if arrived() >= max_nodes or time.monotonic() >= deadline:
             return None
         time.sleep(POLL)
+
+
+def move_connections(conns: Sequence[Connection], target: Redirect, prefix: str) -> None:
+    """Every one of ``conns`` on the moved store ``target``: each fails over to it once
+    the new store stops answering (``Succession.find``, told of ``target``). A new store
+    that keeps serving past ``HANDOVER_WAIT`` is an error (its host never followed)."""
+    deadline = time.monotonic() + HANDOVER_WAIT
+    for conn in conns:
+        while (conn.host, conn.port) != target[:2]:
+            conn.call("check", [prefix])
+            if time.monotonic() >= deadline:
+                raise RendezvousStoreGoneError(
+                    f"the c10d store at {conn.where} was redirected to the run's store at "
+                    f"{target[0]}:{target[1]}, but it kept serving"
+                )
+            time.sleep(POLL)
