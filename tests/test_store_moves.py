@@ -158,9 +158,13 @@ def test_a_replacement_with_one_endpoint_is_redirected_to_the_moved_store(
     assert not both, f"two worlds trained at once: {both}\n{job.texts()}"
     assert ok, f"the replacement never joined the run's store\n{job.texts()}"
     assert "redirected to the run's c10d store" in job.nodes[hosts[0].name].text(), job.texts()
+    joined = job.regroup_time(hosts, again)
     no_restart_spent(job)
     finish(job, hosts)
-    print(f"replacement redirected to {holder.name}; survivors had run after {took:.2f}s")
+    print(
+        f"replacement redirected to {holder.name}: one world of 3 {joined:.2f}s after its "
+        f"start; survivors had run again {took:.2f}s after the preemption"
+    )
 
 
 def two_worlds(job: FaultJob, since: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
