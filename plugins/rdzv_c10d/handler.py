@@ -122,6 +122,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             self._stop_hosting()
             if self._standby is not None:
                 self._standby.close()
+            if self._watch is not None:
+                self._watch.stop()
             raise
 
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
@@ -141,7 +143,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             # The run's store identity: the first agent to reach a new store names it.
             self._succession.learn(agent_conn.call("compare_set", key, "", new_identity(0)))
             agent_conn.open_waiter()
-            if self._elastic and (self._succession.known or (1, ""))[0] == 0:
+            known = self._succession.known
+            if self._elastic and known is not None and known[0] == 0:
                 self._new_store_since = time.monotonic()
                 agent_conn.call("add", prefix + ARRIVALS_KEY, 1)
         monitor_store = lease_store = None
