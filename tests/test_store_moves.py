@@ -13,8 +13,10 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from elastic.harness.c10d_handlers import write_token_file
 from elastic.harness.cluster import Cluster, Host
 from elastic.harness.multihost import C10D_PORT, FaultJob, wait_until
 
@@ -26,15 +28,22 @@ MARGIN = 2.0
 TERM_LIMIT = 4.0 + MARGIN
 FORM_TIMEOUT = 60.0
 EXIT_LIMIT = 5.0
+# s two rounds' workers may overlap while one replaces the other (the old stopping)
+OVERLAP_LIMIT = 2.0
 
 
-def start(make: Make, tmp: Path, size: int, nnodes: str, endpoints: int = 1) -> FaultJob:
+def start(
+    make: Make, tmp: Path, size: int, nnodes: str, endpoints: int = 1, token: bool = False
+) -> FaultJob:
     cluster = make(size)
     hosts = list(cluster.hosts)
     endpoint = ",".join(f"{h.name}:{C10D_PORT}" for h in hosts[:endpoints])
+    conf: dict[str, object] = {"last_call_timeout": 1}
+    if token:
+        conf["token_file"] = write_token_file(tmp / "token", b"the-job-token\n")
     job = FaultJob(
-        cluster, tmp / "job", "c10d", endpoint, nnodes=nnodes,
-        conf={"last_call_timeout": 1}, args=["--max-restarts=0"],
+        cluster, tmp / "job", "c10d", endpoint, nnodes=nnodes, conf=conf,
+        args=["--max-restarts=0"],
     )  # fmt: skip
     assert job.start_together(hosts, FORM_TIMEOUT), f"the job did not form\n{job.texts()}"
     return job
@@ -123,6 +132,61 @@ def test_a_replacement_on_the_first_endpoint_joins_the_moved_store(
     no_restart_spent(job)
     finish(job, hosts)
     print(f"replacement on the first endpoint host joined; survivors had run after {took:.2f}s")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("token", [False, True], ids=["open", "token"])
+def test_a_replacement_with_one_endpoint_is_redirected_to_the_moved_store(
+    cluster_factory: Make, tmp_path: Path, token: bool
+) -> None:
+    """1:3 with one ``--rdzv-endpoint`` (node0): node0 is preempted, the store moves and
+    the job goes on with two; an agent started again on node0 with the same command opens
+    a store there, which the run's holder redirects: it joins the survivors (one world of
+    3), and at no time do two worlds train."""
+    job = start(cluster_factory, tmp_path, 3, "1:3", token=token)
+    hosts = list(job.cluster.hosts)
+    at = preempt(job, hosts[0])
+    took = regrouped(job, hosts[1:], at, "store host preempted")
+    holder = new_holder(job, hosts[0], hosts[1:])
+    again = time.time()
+    job.start(hosts[0])
+    ok = wait_until(
+        lambda: job.running_together(hosts, again) or bool(two_worlds(job, again)), FORM_TIMEOUT
+    )
+    time.sleep(OVERLAP_LIMIT)  # a world started apart at the end would show by now
+    both = two_worlds(job, again)
+    assert not both, f"two worlds trained at once: {both}\n{job.texts()}"
+    assert ok, f"the replacement never joined the run's store\n{job.texts()}"
+    assert "redirected to the run's c10d store" in job.nodes[hosts[0].name].text(), job.texts()
+    joined = job.regroup_time(hosts, again)
+    no_restart_spent(job)
+    finish(job, hosts)
+    print(
+        f"replacement redirected to {holder.name}: one world of 3 {joined:.2f}s after its "
+        f"start; survivors had run again {took:.2f}s after the preemption"
+    )
+
+
+def two_worlds(job: FaultJob, since: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Pairs of workers of different rounds (masters) that ran at the same time for more
+    than ``OVERLAP_LIMIT`` s after ``since``: a worker runs from its start record until its
+    stop record (its agent's SIGTERM), the next start on its host, or now."""
+    starts = job.starts()
+    stopped = {
+        r["pid"]: r["t"] for h in job.cluster.hosts for r in job.stops(h)
+    }  # fmt: skip
+    spans = []
+    for r in starts:
+        later = [s["t"] for s in starts if s["host"] == r["host"] and s["t"] > r["t"]]
+        end = min([stopped.get(r["pid"], time.time()), *later])
+        if end > since:
+            spans.append((max(r["t"], since), end, r))
+    return [
+        (a, b)
+        for i, (a0, a1, a) in enumerate(spans)
+        for b0, b1, b in spans[i + 1 :]
+        if a["master"] != b["master"] and min(a1, b1) - max(a0, b0) > OVERLAP_LIMIT
+    ]
 
 
 @pytest.mark.timeout(180)

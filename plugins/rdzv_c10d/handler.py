@@ -9,8 +9,10 @@ then the newest round's members in rank order, never a leaving one) and unmarks 
 others' connections find it there (``Succession.find``) and the job regroups without the
 holder, spending no restart; the new holder hands it on the same way when it leaves. A
 holder that dies without notice takes the store with it (the others exit with one line).
-A node that knows only ``--rdzv-endpoint`` finds a moved store only on a candidate
-endpoint (``succession.py``, "The limit").
+A node that knows only ``--rdzv-endpoint`` finds a moved store on a candidate endpoint,
+or, started on the first endpoint's host, by the redirect the holder writes into the new
+store it opened there (``redirect.py``); elsewhere it does not (``succession.py``, "The
+limit").
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from elastic.core.interfaces.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousInfo,
     RendezvousParameters,
 )
 from elastic.core.log import say
@@ -34,8 +36,18 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.client import TOKEN_HINT
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.plugins.rdzv_c10d.redirect import (
+    ARRIVALS_KEY,
+    REDIRECT_GRACE,
+    REDIRECT_KEY,
+    Redirect,
+    Watch,
+    await_redirect,
+    move_connections,
+)
 from elastic.plugins.rdzv_c10d.store import (
     GONE_HINT,
+    first_contact,
     host_store,
     parse_endpoint,
     parse_endpoints,
@@ -47,6 +59,7 @@ from elastic.plugins.rdzv_c10d.succession import (
     IDLE,
     LEAVING,
     STANDBY_KEY,
+    Identity,
     Succession,
     Successors,
     copy_into,
@@ -60,53 +73,10 @@ from elastic.plugins.rdzv_c10d.succession import (
 
 log = logging.getLogger(__name__)
 
-FIRST_CONTACT_PAUSE = 0.2  # s between attempts to reach a store that is not up yet
-FIRST_CONTACT_QUIET = 3.0  # s of waiting that are normal (the hosting agent is starting)
-
 
 def job_prefix(run_id: str) -> str:
     """Every key of a job lives under this: two run ids on one store never meet."""
     return f"elastic/{run_id}/"
-
-
-def first_contact(
-    conn: Connection, prefix: str, limit: float, try_hosting: Callable[[], bool]
-) -> None:
-    """Connect now (fail early, and not inside a round), waiting for a store that is not
-    up yet: agents of one job start at the same time on their machines, and the one that
-    hosts the store may well be the last to listen. Before we ever reached it, "connection
-    refused" means "not started yet", not "gone"; after that, it is final (the monitor
-    thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
-    torch's TCPStore client, which retries a refused connect until its timeout).
-
-    While nobody listens, ``try_hosting`` is asked again to take the endpoint: the agent
-    that won it may have died before listening, or something else held the port for a
-    moment; whoever can listen on the endpoint hosts, whenever that becomes possible."""
-    started = time.monotonic()
-    deadline = started + limit
-    told = False
-    while True:
-        try:
-            conn.call("check", [prefix])
-            return
-        except RendezvousConnectionError as exc:  # refused (StoreGone) or no answer
-            if try_hosting():
-                continue
-            if time.monotonic() + FIRST_CONTACT_PAUSE >= deadline:
-                raise RendezvousConnectionError(
-                    f"the c10d store at {conn.where} did not come up within "
-                    f"read_timeout={limit:g}s: {exc}"
-                ) from None
-            if not told and time.monotonic() - started >= FIRST_CONTACT_QUIET:
-                log.warning(
-                    "waiting for the c10d store at %s to come up (%s); retrying for up "
-                    "to read_timeout=%gs",
-                    conn.where,
-                    str(exc).split(";")[0],
-                    limit,
-                )
-                told = True
-            time.sleep(FIRST_CONTACT_PAUSE)
 
 
 class C10dRendezvousHandler(RoundRendezvousHandler):
@@ -132,6 +102,10 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._own_mark = b""  # our standby's mark once we began to leave
         self._handing = threading.Lock()  # one handover, whichever thread gets there
         self._handed = False
+        # When this agent first reached a new store (generation 0) of an elastic job: its
+        # first round waits for a redirect (redirect.py); None once looked at, or not so.
+        self._new_store_since: float | None = None
+        self._watch: Watch | None = None
         if not self._try_hosting():
             if is_host and not params.read_only:
                 raise RendezvousConnectionError(
@@ -148,6 +122,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             self._stop_hosting()
             if self._standby is not None:
                 self._standby.close()
+            if self._watch is not None:
+                self._watch.stop()
             raise
 
     def _connect(self, params: RendezvousParameters, settings: RoundSettings) -> None:
@@ -167,6 +143,10 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             # The run's store identity: the first agent to reach a new store names it.
             self._succession.learn(agent_conn.call("compare_set", key, "", new_identity(0)))
             agent_conn.open_waiter()
+            known = self._succession.known
+            if self._elastic and known is not None and known[0] == 0:
+                self._new_store_since = time.monotonic()
+                agent_conn.call("add", prefix + ARRIVALS_KEY, 1)
         monitor_store = lease_store = None
         addr = params.local_addr or net.route_address(self.host, self.port)
         standby = ""
@@ -188,6 +168,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             lease_store = own_connection()  # the keep-alives' (``lease.py``)
             if self._server is None:
                 self._standby, standby = self._keep_standby(addr)
+                live = self._live_store
+                self._watch = Watch(self._candidates[0], params.run_id, self._token, live)
         super().__init__(
             params,
             settings,
@@ -211,6 +193,46 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 return server, net.join_host_port(host, port)
         server = TCPStoreServer(addr, 0, data=mark, token=self._token)
         return server, net.join_host_port(addr, server.port)
+
+    def _live_store(self) -> tuple[str, Identity] | None:
+        """(address, identity) of the moved store this node holds; None when it holds
+        none, or the first one (generation 0, at the first endpoint)."""
+        known = self._succession.known
+        if self._handed or not self._took_over() or known is None or known[0] == 0:
+            return None
+        return str(self.protocol.node.get("standby")), known
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        since, self._new_store_since = self._new_store_since, None
+        if since is not None and self.protocol.last_formed(self.protocol.current_round()) is None:
+            arrivals = job_prefix(self.run_id) + ARRIVALS_KEY
+            found = await_redirect(
+                lambda: self.job_store.read([REDIRECT_KEY])[0],
+                lambda: int(self._conns[0].call("add", arrivals, 0)),
+                self.params.max_nodes,
+                since,
+            )
+            if found is not None:
+                self._follow(found)
+        return super().next_rendezvous()
+
+    def _follow(self, target: Redirect) -> None:
+        """Leave the new store for the run's moved one ``target`` names (``redirect.py``),
+        and keep a standby as any member does."""
+        self._succession.redirect = target[:2]
+        self._may_host = False
+        if self._server is not None:
+            time.sleep(REDIRECT_GRACE)  # its other clients read the redirect meanwhile
+            self._stop_hosting()
+        move_connections(self._conns, target, job_prefix(self.run_id))
+        if self._standby is None:
+            self._standby, self.protocol.node["standby"] = self._keep_standby(self.addr)
+            self._watch = Watch(self._candidates[0], self.run_id, self._token, self._live_store)
+        say(
+            f"elastic: c10d: the run's store moved to {net.join_host_port(*target[:2])} "
+            f"(generation {target[2][0]}) before this agent started; redirected to the run's "
+            "c10d store there"
+        )
 
     def _try_hosting(self) -> bool:
         """Host the store if this agent may and can listen on the endpoint: at start, and
@@ -238,8 +260,9 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say(
                 f"elastic: c10d: this agent hosts the store at {self.host}:{self.port}; if it "
                 "leaves, the store moves to another member, and nodes that join after that "
-                "(a replacement on this host too) cannot find it there (name more candidate "
-                "hosts, --rdzv-endpoint=h0:port,h1:port,..., or use --rdzv-backend=etcd-v3)"
+                "from other hosts cannot find it (a replacement on this host is redirected "
+                "to it; name more candidate hosts, --rdzv-endpoint=h0:port,h1:port,..., or use "
+                "--rdzv-backend=etcd-v3)"
             )
         return True
 
@@ -262,6 +285,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         self._succession.successors = Successors(self._candidates, asg.successors)
 
     def leave(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._standby is not None and not self._own_mark:
             # First: from now on no holder may choose us (or we learn that one did).
             standby = parse_endpoint(str(self.protocol.node.get("standby")))
@@ -341,6 +366,8 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             say("elastic: no member took the c10d rendezvous store over; the job loses it")
 
     def after_shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._left:
             self._pass_on()  # done by now, unless the leaving thread was given up on
         with self._handing:  # a handover on another thread ends first

@@ -10,15 +10,20 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
+from collections.abc import Callable
 from typing import TypeVar
 
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousConnectionError
 from elastic.core.rendezvous import net
 from elastic.core.tcpstore import TCPStoreServer
+from elastic.core.tcpstore.view import Connection
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29400
+FIRST_CONTACT_PAUSE = 0.2  # s between attempts to reach a store that is not up yet
+FIRST_CONTACT_QUIET = 3.0  # s of waiting that are normal (the hosting agent is starting)
 
 T = TypeVar("T")
 
@@ -89,3 +94,43 @@ GONE_HINT = (
     "the agent hosting the c10d store is gone, and a c10d job cannot outlive it (for a job "
     "with no single point of failure use --rdzv-backend=etcd-v3)"
 )
+
+
+def first_contact(
+    conn: Connection, prefix: str, limit: float, try_hosting: Callable[[], bool]
+) -> None:
+    """Connect now (fail early, and not inside a round), waiting for a store that is not
+    up yet: agents of one job start at the same time on their machines, and the one that
+    hosts the store may well be the last to listen. Before we ever reached it, "connection
+    refused" means "not started yet", not "gone"; after that, it is final (the monitor
+    thread's ``RendezvousStoreGoneError``). Bounded by ``limit`` (``read_timeout``: as
+    torch's TCPStore client, which retries a refused connect until its timeout).
+
+    While nobody listens, ``try_hosting`` is asked again to take the endpoint: the agent
+    that won it may have died before listening, or something else held the port for a
+    moment; whoever can listen on the endpoint hosts, whenever that becomes possible."""
+    started = time.monotonic()
+    deadline = started + limit
+    told = False
+    while True:
+        try:
+            conn.call("check", [prefix])
+            return
+        except RendezvousConnectionError as exc:  # refused (StoreGone) or no answer
+            if try_hosting():
+                continue
+            if time.monotonic() + FIRST_CONTACT_PAUSE >= deadline:
+                raise RendezvousConnectionError(
+                    f"the c10d store at {conn.where} did not come up within "
+                    f"read_timeout={limit:g}s: {exc}"
+                ) from None
+            if not told and time.monotonic() - started >= FIRST_CONTACT_QUIET:
+                log.warning(
+                    "waiting for the c10d store at %s to come up (%s); retrying for up "
+                    "to read_timeout=%gs",
+                    conn.where,
+                    str(exc).split(";")[0],
+                    limit,
+                )
+                told = True
+            time.sleep(FIRST_CONTACT_PAUSE)

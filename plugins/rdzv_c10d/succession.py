@@ -35,13 +35,14 @@ wait ``HANDOVER_WAIT`` for it, then the store is lost and the job ends with one 
 candidate endpoints; it serves only when none of them holds or receives this run's store.
 The old holder closed its listener only after marking its successor, so if the new agent
 could listen, the mark is visible to it: a handover to a candidate endpoint is never
-missed. **The limit**: a store that moved to a standby on no candidate endpoint (none was
-named, or no member owns one) cannot be seen by an agent that was in no formed round of
-the run (it knows only the candidates): a joiner, or a standby of a full job, waits for it
-(``read_timeout``) and exits with one line; a replacement on the first endpoint's host
-opens a new store. The run's agents never accept that one (another nonce); the
-replacement trains alone if ``--nnodes``' minimum allows. Name every host that may hold
-the store in ``--rdzv-endpoint=h0:p,h1:p,...``.
+missed. (5) A store that moved to a standby on no candidate endpoint (none was named, or no
+member owns one) cannot be seen by an agent that knows only the endpoints; one started on
+the first endpoint's host (a replacement) opens a new store there, which the run's holder
+redirects before a round forms on it (``redirect.py``), and the run's agents never accept
+it (another nonce). **The limit**: an agent on another host that was in no formed round
+(a late joiner, a standby of a full job) finds nobody at the first endpoint, waits for it
+(``read_timeout``) and exits with one line. Name every host that may hold the store in
+``--rdzv-endpoint=h0:p,h1:p,...``.
 
 **Writes across a move.** A SET has no answer in TCPStore's protocol: on a store that can
 move, ``Connection`` follows it with a request that does answer (``view.py``), so a SET the
@@ -123,6 +124,9 @@ class Succession:
         # answers there after a move is the old store's address, not the new one.
         self._first = candidates[0]
         self.successors: Sequence[tuple[str, int]] = candidates[1:]
+        # A moved store the run's holder named in a new store opened at the first
+        # endpoint (``redirect.py``): looked at first once that store stops.
+        self.redirect: tuple[str, int] | None = None
 
     def learn(self, raw: bytes) -> None:
         found = parse_identity(raw)
@@ -176,7 +180,10 @@ class Succession:
         did not move (every one an idle or leaving standby: its holder died), after
         ``HANDOVER_WAIT`` when a handover never ends."""
         here = (conn.host, conn.port)
-        candidates = [c for c in self.successors if c not in (here, self._first)]
+        redirect = [self.redirect] if self.redirect is not None else []
+        candidates = [
+            c for c in dict.fromkeys([*redirect, *self.successors]) if c not in (here, self._first)
+        ]
         deadline = time.monotonic() + HANDOVER_WAIT
         while candidates and time.monotonic() < deadline and not conn.closed:
             moving = False
