@@ -10,7 +10,8 @@ Neither importing this package nor running a handler imports torch.
 Owns ``handler`` (``C10dRendezvousHandler``: the shared round over the job's store),
 ``store`` (hosting or reaching the TCPStore and its ``CoordinationStore`` view) and
 ``succession`` (where the job's store is and how it moves: the standbys and the
-handover). Imports core's ``rendezvous`` (the round), ``tcpstore``, ``interfaces`` and
+handover) and ``redirect`` (a store opened anew at the first endpoint after the run's
+moved is pointed to the live one). Imports core's ``rendezvous`` (the round), ``tcpstore``, ``interfaces`` and
 ``log``; may import core's public rooms only (contract ``plugins-public-core``).
 """
 
