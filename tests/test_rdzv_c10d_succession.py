@@ -19,7 +19,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreMovedError,
 )
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
-from elastic.core.tcpstore.view import Connection
+from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.harness.c10d_handlers import Make, c10d_handlers, rendezvous_all
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.succession import (
@@ -220,10 +220,12 @@ class Move:
 def test_a_set_sent_while_the_store_moves_is_applied_at_the_new_store() -> None:
     move = Move()
     try:
+        view = PrefixStore(move.conn, "p/")  # made before the move, as the round's are
         mover = move.move_while_the_old_loop_is_busy()
         move.conn.call("set", "k", b"v")  # sent to the old store, which never reads it
         mover.join()
         assert move.conn.where == f"127.0.0.1:{move.standby.port}"
+        assert view.where == move.conn.where  # messages name the store where it is now
         with TCPStoreClient("127.0.0.1", move.standby.port, 5.0) as check:
             assert check.multi_get(["k"], False) == [b"v"]
             raw = check.multi_get([identity_key("job")], False)[0]

@@ -290,7 +290,11 @@ class PrefixStore:
     def __init__(self, conn: Connection, prefix: str) -> None:
         self._conn = conn
         self.prefix = prefix
-        self.where = conn.where
+
+    @property
+    def where(self) -> str:
+        """The store's address now: a moved store's new one (read from the connection)."""
+        return self._conn.where
 
     def sub(self, prefix: str) -> PrefixStore:
         return PrefixStore(self._conn, self.prefix + prefix)

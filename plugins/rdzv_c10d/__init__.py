@@ -11,8 +11,9 @@ Owns ``handler`` (``C10dRendezvousHandler``: the shared round over the job's sto
 ``store`` (hosting or reaching the TCPStore and its ``CoordinationStore`` view) and
 ``succession`` (where the job's store is and how it moves: the standbys and the
 handover) and ``redirect`` (a store opened anew at the first endpoint after the run's
-moved is pointed to the live one). Imports core's ``rendezvous`` (the round), ``tcpstore``, ``interfaces`` and
-``log``; may import core's public rooms only (contract ``plugins-public-core``).
+moved is pointed to the live one). Imports core's ``rendezvous`` (the round),
+``tcpstore``, ``interfaces`` and ``log``; may import core's public rooms only (contract
+``plugins-public-core``).
 """
 
 from __future__ import annotations
