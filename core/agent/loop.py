@@ -54,7 +54,7 @@ from elastic.core.agent.regroup import (
 )
 from elastic.core.agent.restarts import job_failed, restarts_used
 from elastic.core.agent.start import place_group, start_workers
-from elastic.core.agent.store_call import BoundedCalls
+from elastic.core.agent.store_call import BoundedCalls, store_call
 from elastic.core.interfaces import failures as fail
 from elastic.core.interfaces.agent import ElasticAgent
 from elastic.core.interfaces.rendezvous import (
@@ -335,14 +335,20 @@ class LocalElasticAgent(ElasticAgent):
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
             control.request_regroup()
-        info = self._rendezvous()
-        if isinstance(info, RunResult) or self._calls(job_failed, info.store):
-            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
-            if isinstance(info, RunResult):
-                return info
-            return self._final_failure("the job failed on another node")
-        # Until every node's workers can join, ours train on in the old group if they can.
-        wait_ready(info.store, info.round, info.world_size, self._workers, self._sleep)
+        lost = lambda: bool(store_call(self._handler.lost_nodes))  # noqa: E731
+        while True:
+            info = self._rendezvous()
+            if isinstance(info, RunResult) or self._calls(job_failed, info.store):
+                self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+                if isinstance(info, RunResult):
+                    return info
+                return self._final_failure("the job failed on another node")
+            # Until every node's workers can join, ours train on in the old group if
+            # they can; a round that lost a member meanwhile is skipped for the next.
+            if wait_ready(
+                info.store, info.round, info.world_size, self._workers, self._sleep, lost
+            ):
+                break
         if finished(self._workers, self._sleep):  # meanwhile, in the old round
             # The new round's new workers wait for a group that will not come: their
             # agents see the job finished and meet us at this round's exit barrier.

@@ -90,19 +90,28 @@ def wait_ready(
     world_size: int,
     workers: Sequence[WorkerProcess],
     sleep: Callable[[float], None],
-) -> None:
+    lost: Callable[[], bool] = lambda: False,
+) -> bool:
     """Count this node ready for round ``round_``, then wait (bounded by ``READY_WAIT``)
     until every node is: a joining node's workers import and set up while ours train on
     in the old group, so the pause is one step and a connect, not their start-up. Ends
-    early when a local worker ended (the caller's next wait sees it)."""
+    early when a local worker ended (the caller's next wait sees it).
+
+    False when the round lost a member meanwhile (``lost()``: a node died or left, a
+    joiner whose new workers failed went away): that round will never form a group, so
+    it is not handed to the workers (they would block joining it, past the agent's bound,
+    and be restarted); the caller goes on to the next round, which the job is forming."""
     key = READY_KEY.format(round_)
     count = int(store_call(store.add, key, 1))
     deadline = time.monotonic() + READY_WAIT
     while count < world_size and time.monotonic() < deadline:
         if any(w.poll() is not None for w in workers):
-            return
+            return True
+        if lost():
+            return False
         sleep(_POLL)
         count = int(store_call(store.add, key, 0))
+    return not lost()
 
 
 def finished(workers: Sequence[WorkerProcess], sleep: Callable[[float], None]) -> bool:
