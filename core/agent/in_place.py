@@ -11,6 +11,7 @@ imports that module, ``checkpoint_on_notice``, ``start`` and ``restarts``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 
@@ -24,12 +25,12 @@ from elastic.core.agent.regroup import (
     finished_untaken,
     hand_over,
     replaced_in,
+    round_superseded,
     wait_ready,
     wait_taken,
 )
 from elastic.core.agent.restarts import job_failed, restarts_used
 from elastic.core.agent.start import place_group
-from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousInfo
 from elastic.core.interfaces.spec import RunResult
 from elastic.core.log import say
@@ -47,7 +48,7 @@ class InPlaceRegroup(AgentBase):
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
             control.request_regroup()
-        lost = lambda: bool(store_call(self._handler.lost_nodes))  # noqa: E731
+        superseded = functools.partial(round_superseded, self._handler)
         while True:
             info = self._rendezvous()
             if isinstance(info, RunResult) or self._calls(job_failed, info.store):
@@ -58,7 +59,7 @@ class InPlaceRegroup(AgentBase):
             # Until every node's workers can join, ours train on in the old group if
             # they can; a round that lost a member meanwhile is skipped for the next.
             if wait_ready(
-                info.store, info.round, info.world_size, self._workers, self._sleep, lost
+                info.store, info.round, info.world_size, self._workers, self._sleep, superseded
             ):
                 break
         if finished(self._workers, self._sleep):  # meanwhile, in the old round
