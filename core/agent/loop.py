@@ -256,6 +256,14 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
                     regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
                 )
+            except RendezvousStoreMovedError as exc:
+                # The store's holder left while a count of ours was in flight: the job
+                # re-forms without it like after any departure, and workers that can
+                # regroup keep running (any other attempt stops them and rejoins: _loop).
+                if not can_regroup(Outcome.LOST_NODE, coordinator.control, self._workers):
+                    raise
+                say(f"elastic: {exc}; the workers regroup in place", logging.WARNING)
+                end = AttemptEnd(Outcome.LOST_NODE)
             finally:  # fenced or not, workers that ran past start-up made this node a member
                 self._joining.attempt_ended()
             if not can_regroup(end.outcome, coordinator.control, self._workers):
