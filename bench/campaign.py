@@ -211,7 +211,12 @@ class Campaign:
         job = self.job(cluster, "campaign")
         hosts = list(cluster.hosts[:JOB_HOSTS])
         if not job.start_together(hosts, FORM_TIMEOUT):
-            return {"violations": ["the job did not form"], "logs": job.texts()}
+            return {
+                "violations": ["the job did not form"],
+                "faults_injected": 0,
+                "steps_redone": 0,
+                "logs": job.texts(),
+            }
         wait_until(lambda: any(e["event"] == "step" for e in read_events(job.workdir)), 60)
         state = {h.name: "up" for h in hosts}
         applied: list[dict[str, Any]] = []

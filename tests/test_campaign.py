@@ -129,7 +129,7 @@ def test_a_schedule_is_the_seeds_and_never_goes_below_the_minimum() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl, seed", [("etcd-v3", 1)])
+@pytest.mark.parametrize("impl, seed", [("etcd-v3", 1), ("c10d", 1)])
 def test_a_short_seeded_campaign_has_no_violation(impl: str, seed: int, tmp_path: Path) -> None:
     require_cluster()
     campaign = load("campaign")

@@ -114,12 +114,6 @@ def worlds_seen(out: Path) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    reason="known regression after merging this session's branches: a survivor's worker is "
-    "sometimes replaced at the first regroup (a new pid in the 3-node world); its cause is "
-    "not found yet (issue 34)",
-    strict=False,
-)
 def test_workers_that_regrouped_in_place_exit_zero_with_no_abort_again_and_again(
     procs: Processes, etcd_v3_server: EtcdCluster, tmp_path: Path
 ) -> None:

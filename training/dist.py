@@ -6,7 +6,9 @@ import atexit
 import datetime
 import os
 import socket
+import sys
 import time
+import traceback
 from typing import Any
 
 from elastic.core.workers.control_file import READY
@@ -79,6 +81,7 @@ def leave_group() -> None:
 
     if not dist.is_initialized():
         return
+    _release_failed_call()
     backend = str(dist.get_backend())
     _made.setdefault("backend", backend)  # a group the script made itself
     if "nccl" in backend:
@@ -88,6 +91,25 @@ def leave_group() -> None:
         if not dist.is_initialized():
             return
     dist.destroy_process_group()
+
+
+def _release_failed_call() -> None:
+    """Drop what the exception being handled holds of the group, if any.
+
+    A collective that raised (a peer died) leaves its frames on the exception's traceback,
+    and torch's ``all_reduce`` frame holds the group and its work. While the exception
+    lives (the caller is still in its ``except`` block, waiting for the next round), the
+    destroyed group is never freed, so its gloo connections stay open: a peer blocked in
+    the same collective with this rank, not with the dead one, never sees a closed
+    connection and waits out the collective timeout, far past the agent's bound for a
+    step boundary, and the agent restarts it. Clearing those frames' locals (frames
+    still running are left alone) frees the group with the destroy."""
+    seen: set[int] = set()
+    exc = sys.exc_info()[1]
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def rejoin_group() -> str:

@@ -27,6 +27,7 @@ from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.outcome import Outcome
 from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces.job_keys import FINISHED_KEY, READY_KEY, REPLACED_KEY
+from elastic.core.interfaces.rendezvous import RendezvousHandler
 from elastic.core.interfaces.spec import WorkerGroup
 from elastic.core.interfaces.store import Store
 from elastic.core.workers.control_file import ControlFile
@@ -84,25 +85,44 @@ class RoundWatch:
         return control.all_capable() and store_call(coordinator.complete, self._world_size)
 
 
+def round_superseded(handler: RendezvousHandler) -> bool:
+    """Whether the round being readied will never form a group: it lost a member (a node
+    died or left, a joiner whose new workers failed went away), or nodes wait for the next
+    one. Either makes every member go on to that next round (a joiner's new workers cannot
+    regroup yet and take the restart path; capable ones regroup again), so a node still
+    waiting for this round's readiness would only miss it: the round forms without it
+    after the last call. Both answers are the handler's cached ones, as the monitor's."""
+    return bool(store_call(handler.lost_nodes)) or store_call(handler.num_nodes_waiting) > 0
+
+
 def wait_ready(
     store: Store,
     round_: int,
     world_size: int,
     workers: Sequence[WorkerProcess],
     sleep: Callable[[float], None],
-) -> None:
+    superseded: Callable[[], bool] = lambda: False,
+) -> bool:
     """Count this node ready for round ``round_``, then wait (bounded by ``READY_WAIT``)
     until every node is: a joining node's workers import and set up while ours train on
     in the old group, so the pause is one step and a connect, not their start-up. Ends
-    early when a local worker ended (the caller's next wait sees it)."""
+    early when a local worker ended (the caller's next wait sees it).
+
+    False when the round is superseded meanwhile (``round_superseded``): it will never
+    form a group, so it is not handed to the workers (they would block joining it, past
+    the agent's bound, and be restarted); the caller goes on to the next round, which the
+    job is forming."""
     key = READY_KEY.format(round_)
     count = int(store_call(store.add, key, 1))
     deadline = time.monotonic() + READY_WAIT
     while count < world_size and time.monotonic() < deadline:
         if any(w.poll() is not None for w in workers):
-            return
+            return True
+        if superseded():
+            return False
         sleep(_POLL)
         count = int(store_call(store.add, key, 0))
+    return not superseded()
 
 
 def finished(workers: Sequence[WorkerProcess], sleep: Callable[[float], None]) -> bool:

@@ -1,0 +1,112 @@
+"""The agent's in-place regroup room: the job re-forms and this node keeps its workers
+(``AgentBase``, ``base.py``).
+
+Owns ``_regroup_in_place``: raise the regroup request, join the next round (skipping one
+that lost a member while the nodes got ready), hand it to the running workers through the
+control file and wait until they took it; workers that did not in time are restarted in
+it. The steps and their bounds live in ``regroup.py``; this room only orders them and
+imports that module, ``checkpoint_on_notice``, ``start`` and ``restarts``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import signal
+
+from elastic.core.agent.base import AgentBase
+from elastic.core.agent.checkpoint_on_notice import Coordinator
+from elastic.core.agent.outcome import Outcome
+from elastic.core.agent.regroup import (
+    announce_finished,
+    announce_replaced,
+    finished,
+    finished_untaken,
+    hand_over,
+    replaced_in,
+    round_superseded,
+    wait_ready,
+    wait_taken,
+)
+from elastic.core.agent.restarts import job_failed, restarts_used
+from elastic.core.agent.start import place_group
+from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousInfo
+from elastic.core.interfaces.spec import RunResult
+from elastic.core.log import say
+
+
+class InPlaceRegroup(AgentBase):
+    """The same workers through a membership change."""
+
+    def _regroup_in_place(self, outcome: Outcome) -> tuple[RendezvousInfo, bool] | RunResult | None:
+        """The job re-forms and our workers can follow it (``core/agent/regroup.py``):
+        join the next round and hand it to them; workers that do not take it in time are
+        restarted in it. Returns the round to watch and whether this node counted itself
+        ready for it (it did), or what ``_attempt`` returns."""
+        assert self._coordinator is not None
+        control = self._coordinator.control
+        if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
+            control.request_regroup()
+        superseded = functools.partial(round_superseded, self._handler)
+        while True:
+            info = self._rendezvous()
+            if isinstance(info, RunResult) or self._calls(job_failed, info.store):
+                self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+                if isinstance(info, RunResult):
+                    return info
+                return self._final_failure("the job failed on another node")
+            # Until every node's workers can join, ours train on in the old group if
+            # they can; a round that lost a member meanwhile is skipped for the next.
+            if wait_ready(
+                info.store, info.round, info.world_size, self._workers, self._sleep, superseded
+            ):
+                break
+        if finished(self._workers, self._sleep):  # meanwhile, in the old round
+            # The new round's new workers wait for a group that will not come: their
+            # agents see the job finished and meet us at this round's exit barrier.
+            announce_finished(info.store, info.round)
+            return self._succeeded(info)
+        control.request_regroup()  # every rank stops at one step boundary
+        restarts = self._calls(restarts_used, info.store)
+        place_group(self._group, info, restarts)
+        self._coordinator = Coordinator(info.store, info.round, control)
+        generation = hand_over(
+            control,
+            self._group,
+            self._workers,
+            run_id=self._handler.get_run_id(),
+            use_agent_store=self._handler.use_agent_store,
+            error_files={r: logs.error_file for r, logs in self._logs.items()},
+        )
+        self._fence.watch(self._workers, info.round)
+        store, round_ = info.store, info.round
+
+        def replaced() -> bool:
+            try:
+                return bool(self._calls(replaced_in, store, round_))
+            except RendezvousError:
+                return False  # cannot tell: the bound decides
+
+        if wait_taken(
+            control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
+        ):
+            if finished_untaken(control, generation, self._workers):
+                announce_finished(info.store, info.round)  # as above, one step later
+                return self._succeeded(info)
+            self._notify("elastic_workers_started", group=self._group)
+            return info, True
+        with contextlib.suppress(RendezvousError):
+            self._calls(announce_replaced, store, round_)
+        say(
+            "elastic: the workers did not take the new round in time (stuck in a "
+            "collective?); restarting them",
+            logging.WARNING,
+        )
+        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        self._notify("elastic_restart", group=self._group, reason="regroup_timeout")
+        error = self._start(info, restarts)
+        if error is not None:
+            self._stop(signal.SIGKILL, 0)
+            return self._one_line_failure(error)
+        return info, True

@@ -1,0 +1,112 @@
+"""A second change while the job regroups in place (issue 34, item 5), on a simulated
+multi-host network: real agents (c10d, the store on host 0), one per host, running
+``elastic.testing.regroup_job.REGROUP_WORKER`` (``elastic.train`` on gloo, no checkpointer,
+an integer state that ends bit-identical to an unbroken run's).
+
+A node joins a 3-node job; while the round with it has formed and the kept workers wait for
+the joiner's new worker to get ready, a kept node dies (SIGKILL of its host). The job goes
+on to the next round, and the two other kept nodes' workers keep their processes: they
+are told the newer round and re-form again, never restarted by their agents (which once
+waited out their bounds and restarted every worker, losing the in-place state)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+from elastic.testing.cluster import Cluster
+from elastic.testing.multihost import wait_until
+from elastic.testing.preemption_job import read_events
+from test_regroup_multihost import JOIN_STEPS, expected_value, finish, reference, start_job
+
+pytestmark = pytest.mark.slow
+
+Make = Callable[..., Cluster]
+
+
+@pytest.mark.timeout(300)
+def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
+    cluster_factory: Make, tmp_path
+) -> None:
+    ref = reference(tmp_path, JOIN_STEPS)
+    try:
+        cluster = cluster_factory(4)
+        nodes = list(cluster.hosts)
+        kept, victim, joiner = nodes[:2], nodes[2], nodes[3]
+        job = start_job(cluster, tmp_path, "2:4", nodes[:3], JOIN_STEPS)
+        job.start(joiner)
+        with_joiner = re.compile(r"round \d+ formed: 4 nodes")
+        formed = wait_until(lambda: with_joiner.search(job.nodes[kept[0].name].text()), 60)
+        assert formed, job.texts()
+        killed = time.time()
+        victim.kill()  # while the kept workers wait for the joiner's to get ready
+        finish(job, [*kept, joiner])
+        value = expected_value(ref)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.communicate()
+    texts = job.texts()
+    assert "did not take the new round in time" not in texts, texts
+    restarted = [r for r in job.starts() if r["host"] in {h.name for h in kept} and r["t"] > killed]
+    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
+    seen = read_events(job.workdir)
+    for host in kept:
+        pids = {e["pid"] for e in seen if e["host"] == host.name}
+        assert len(pids) == 1, f"{host.name} ran {pids}"
+    steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
+    assert {e["host"] for e in steps_after} == {h.name for h in (*kept, joiner)}, steps_after
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == 3 and {e["value"] for e in done} == {value}, done
+    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    first = min(e["t"] for e in steps_after)
+    print(f"a death during the join: first step of the 3-node world {first - killed:.2f}s after")
+
+
+@pytest.mark.timeout(300)
+def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
+    cluster_factory: Make, tmp_path
+) -> None:
+    """A node joins a 2-node job; while the kept workers wait for its new worker to get
+    ready, another node joins. The first joiner's agent goes on to the round with the
+    second (its new worker cannot regroup yet); the kept nodes must follow at once, not
+    wait out their ready bound in a round nobody will complete and miss the next one."""
+    ref = reference(tmp_path, JOIN_STEPS)
+    try:
+        cluster = cluster_factory(4)
+        nodes = list(cluster.hosts)
+        kept = nodes[:2]
+        job = start_job(cluster, tmp_path, "2:4", kept, JOIN_STEPS)
+        job.start(nodes[2])
+        with_first = re.compile(r"round \d+ formed: 3 nodes")
+        formed = wait_until(lambda: with_first.search(job.nodes[kept[0].name].text()), 60)
+        assert formed, job.texts()
+        second = time.time()
+        job.start(nodes[3])
+        finish(job, nodes)
+        value = expected_value(ref)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.communicate()
+    texts = job.texts()
+    assert "did not take the new round in time" not in texts, texts
+    restarted = [r for r in job.starts() if r["host"] in {h.name for h in kept} and r["t"] > second]
+    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
+    seen = read_events(job.workdir)
+    for host in kept:
+        pids = {e["pid"] for e in seen if e["host"] == host.name}
+        assert len(pids) == 1, f"{host.name} ran {pids}"
+    # one world at a time: the joiners never trained without the kept workers
+    worlds = {e["world"] for e in seen if e["event"] == "step"}
+    assert worlds <= {2, 3, 4} and 4 in worlds, worlds
+    for host in nodes[2:]:
+        alone = [e for e in seen if e["host"] == host.name and e["event"] == "step"]
+        assert all(e["world"] >= 3 for e in alone), alone
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == 4 and {e["value"] for e in done} == {value}, done
+    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    first = min(e["t"] for e in seen if e["event"] == "step" and e["world"] == 4)
+    print(f"a second joiner: first step of the 4-node world {first - second:.2f}s after it started")
