@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 from elastic.core.agent.checkpoint_on_notice import (
     Coordinator,
@@ -574,9 +575,9 @@ class LocalElasticAgent(ElasticAgent):
         return RunResult(WorkerState.FAILED, exit_code=exit_code(end), message=message)
 
     # --- helpers --------------------------------------------------------------------------
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float, wait: Callable[[float], object] = time.sleep) -> None:
         with self._guard.waiting():  # a signal meanwhile is handled, not deferred
-            time.sleep(seconds)
+            wait(seconds)
 
     def _stop(self, sig: int, timeout: float) -> None:
         """Stop every worker (their whole process groups), reap them, stop the tee."""
