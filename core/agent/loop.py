@@ -315,6 +315,7 @@ class LocalElasticAgent(ElasticAgent):
                     check_plugins=self._check_plugins,
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
                     regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
+                    checkpoint_saved=coordinator.saved_here,
                 )
             finally:  # fenced or not, workers that ran past start-up made this node a member
                 self._joining.attempt_ended()

@@ -31,14 +31,17 @@ def watch_attempt(
     sleep: Callable[[float, Callable[[float], object]], None],
     handler: RendezvousHandler,
     check_plugins: Callable[[list[WorkerProcess]], WorkerVerdict | None],
-    relay_checkpoint: Callable[[], None] | None,
+    relay_checkpoint: Callable[[], bool] | None,
     regroup_wanted: Callable[[], bool] | None = None,
+    checkpoint_saved: Callable[[], bool] | None = None,
 ) -> AttemptEnd:
     """Until the attempt ends (``job`` is stopped then); ``sleep(seconds, wait)`` runs
     ``wait`` so that a signal can interrupt it. Between checks it waits ``interval`` or
     until a worker exits, whichever is first: an exit is seen at once.
     ``regroup_wanted``: a worker whose group broke asks the job to re-form
-    (``core/agent/regroup.py``)."""
+    (``core/agent/regroup.py``). ``relay_checkpoint`` raises a preemption notice's
+    request locally and says whether this node's save is counted; ``checkpoint_saved``
+    whether its workers saved already (they hear of a request from their peers first)."""
     exits = ExitWait(w.pid for w in workers)
     try:
         next_membership = time.monotonic() + MEMBERSHIP_CHECK_INTERVAL
@@ -66,8 +69,13 @@ def watch_attempt(
                 return AttemptEnd(Outcome.SUCCEEDED)
             if regroup_wanted is not None and regroup_wanted():
                 return AttemptEnd(Outcome.MEMBERSHIP)
-            if job.checkpoint_requested and relay_checkpoint is not None:
-                store_call(relay_checkpoint)  # a node got a preemption notice
+            saved = checkpoint_saved is not None and checkpoint_saved()
+            if (job.checkpoint_requested or saved) and relay_checkpoint is not None:
+                # A node got a preemption notice. It leaves the moment every node's save
+                # is counted: from then on read the round's lost list each interval
+                # rather than wait for the handler's next tick to bring it.
+                if store_call(relay_checkpoint) and store_call(handler.membership_changed):
+                    return AttemptEnd(Outcome.LOST_NODE)
             # Answered from the handler's cache (its contract): every interval, so a
             # departure the handler has read is acted on at once. Raises when fenced.
             if store_call(handler.lost_nodes):
