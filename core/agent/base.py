@@ -19,6 +19,7 @@ this package's helper modules, never ``loop`` nor one another.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.exit_code import JobEnd
@@ -83,9 +84,9 @@ class AgentBase:
         raise NotImplementedError  # endings
 
     # --- helpers every room uses --------------------------------------------------------
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float, wait: Callable[[float], object] = time.sleep) -> None:
         with self._guard.waiting():  # a signal meanwhile is handled, not deferred
-            time.sleep(seconds)
+            wait(seconds)
 
     def _notify(self, hook: str, **kwargs: object) -> None:
         self._host.notify(hook, **kwargs)

@@ -85,12 +85,20 @@ class Coordinator:
         self.store.compare_set(PREEMPT_KEY.format(self.round), "", json.dumps(who))
         self.store.add(noticed_key(self.round), 1)
 
-    def relay(self) -> None:
-        """Raise the request locally; count this node once all its workers saved."""
+    def relay(self) -> bool:
+        """Raise the request locally; count this node once all its workers saved.
+        Whether it is counted."""
         self.control.request(self.number)
         if not self._counted and self.control.all_saved(self.number):
             self.store.add(saved_key(self.round), 1)
             self._counted = True
+        return self._counted
+
+    def saved_here(self) -> bool:
+        """Every local worker saved for this round's request: they learn of it from
+        their peers' all_reduce, before this agent's next read of the job's keys does.
+        A read of shared memory, free to ask every monitor interval."""
+        return self.control.all_saved(self.number)
 
     def complete(self, world_size: int) -> bool:
         """Every node of the round has saved."""

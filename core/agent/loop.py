@@ -255,6 +255,7 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     check_plugins=self._check_plugins,
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
                     regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
+                    checkpoint_saved=coordinator.saved_here,
                 )
             except RendezvousStoreMovedError as exc:
                 # The store's holder left while a count of ours was in flight: the job

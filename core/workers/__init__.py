@@ -1,10 +1,10 @@
-"""This node's worker processes. Owns starting, polling and stopping them (``process``),
-the agent's signals and which it forwards (``signals``), their logs (``logs``) and error
-files (``errorfile``), torchrun's worker environment (``env``), the GPUs found without
-torch (``devices``), ``--numa-binding`` (``numa``), the agent loop's pulse that liveness
-reads (``loop_clock``), the control file an agent uses to ask them to checkpoint or
-regroup (``control_file``), and ``boot``, the directory put first on their
-``PYTHONPATH``.
+"""This node's worker processes. Owns starting, polling and stopping them (``process``;
+``exits`` wakes on their exit), the agent's signals and which it forwards (``signals``),
+their logs (``logs``) and error files (``errorfile``), torchrun's worker environment
+(``env``), the GPUs found without torch (``devices``), ``--numa-binding`` (``numa``), the
+agent loop's pulse that liveness reads (``loop_clock``), the control file an agent uses to
+ask them to checkpoint or regroup (``control_file``), and ``boot``, the directory put first
+on their ``PYTHONPATH``.
 
 Imports ``interfaces`` only; may import ``log`` too (the rooms below it). A public room
 for plugins and training code."""

@@ -10,7 +10,7 @@ Commands are started with ``subprocess.Popen``; Python callables with ``multipro
 (``spawn``, ``fork`` or ``forkserver``) through a bootstrap that does the same set-up
 before calling the function and sends its return value back over a pipe.
 
-May import ``numa``, ``signals``, ``boot`` and ``errorfile`` (in the child); outside
+May import ``numa``, ``exits``, ``signals``, ``boot`` and ``errorfile`` (in the child); outside
 ``workers``, ``interfaces``.
 """
 
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
 from elastic.core.workers import numa
+from elastic.core.workers.exits import ExitWait
 
 # The agent's signals live in ``signals``; the agent loop still imports them from here.
 from elastic.core.workers.signals import DEFAULT_SIGNALS as DEFAULT_SIGNALS
@@ -366,12 +367,13 @@ def stop_workers(
     anything a worker left running in its group dies too. Every leader is reaped.
     Returns the exit codes by local rank.
     """
-    for w in workers:
-        if w.poll() is None:
+    running = [w for w in workers if w.poll() is None]
+    with ExitWait(w.pid for w in running) as exits:
+        for w in running:
             killpg(w.pid, sig)
-    deadline = time.monotonic() + timeout
-    while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
-        time.sleep(min(0.02, max(deadline - time.monotonic(), 0)))
+        deadline = time.monotonic() + timeout
+        while any(w.poll() is None for w in running) and time.monotonic() < deadline:
+            exits.wait(min(0.02, max(deadline - time.monotonic(), 0)))
     for w in workers:
         killpg(w.pid, signal.SIGKILL)
     codes = {}
