@@ -10,6 +10,7 @@ closed, so a waiter is always woken by exactly one key and nothing polls in a lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from elastic.core.rendezvous.round.signing import wait_present
 log = logging.getLogger(__name__)
 
 WATCHERS = 3  # waiters (the slots after the coordinator's) that watch the coordinator
+JOIN_WAIT = 0.25  # s a coordinator waiting for joiners sleeps at most between two looks
 
 
 class RoundProtocol:
@@ -374,6 +376,13 @@ class RoundProtocol:
         self.outcome_sent = sent
         return asg
 
+    def _await_join(self, rnd: int, slot: int, seconds: float) -> None:
+        """Until join slot ``slot`` of round ``rnd`` is written, or ``seconds`` (at most
+        JOIN_WAIT, so a closed job is still seen): a waiting coordinator sleeps."""
+        wait = timedelta(seconds=min(max(seconds, 0.001), JOIN_WAIT))
+        with contextlib.suppress(StoreTimeoutError):
+            self.store.wait([R.join_key(rnd, slot)], wait)
+
     def _counters(self, rnd: int) -> tuple[int, int]:
         """(join slots taken in round ``rnd``, the ``events`` counter), in one read."""
         raw_count, raw_events = self.store.multi_get([R.count_key(rnd), R.EVENTS])
@@ -459,8 +468,12 @@ class RoundProtocol:
             if now >= deadline:
                 self.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
                 raise self._timeout(f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+            if expected - ids:  # survivors still to come: a departure's event counts too
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+            else:  # asleep until the next join (the store wakes us) or a clock is due
+                last_call = min_at + self.s.last_call_timeout if min_at is not None else deadline
+                self._await_join(rnd, seen + 1, min(deadline, last_call) - now)
         chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
         roster = R.Roster(
             round=rnd,
