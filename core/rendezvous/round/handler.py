@@ -271,6 +271,9 @@ class RoundRendezvousHandler(RendezvousHandler):
                 pass
             if finished:
                 self._monitor.stop()
+                # "done" must be the last write to our beat: a keep-alive in flight lands
+                # first (else the store's host waits heartbeat_timeout for us at its exit).
+                self._monitor.lease.join(self.settings.heartbeat_interval)
                 try:
                     self.rdzv_store.set(R.hb_key(self.node_id), R.DONE)
                 except RendezvousError as exc:
