@@ -78,6 +78,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._current: R.Assignment | None = None
         self._shut = False
         self._left = False
+        self._closed_here = False  # set_closed() returned: the job is closed
         self.node_id = R.new_node_id()
         self.addr = addr
         # Every agent listens; the one that becomes rank 0 is connected to (presence.py).
@@ -204,7 +205,11 @@ class RoundRendezvousHandler(RendezvousHandler):
         return self.protocol.is_closed()
 
     def set_closed(self) -> None:
-        self.protocol.set_closed()
+        # Every node of a finished job closes it: the first writes the record, bumps the
+        # events and wakes a forming round (several requests); the others find it closed.
+        if not self.protocol.is_closed():
+            self.protocol.set_closed()
+        self._closed_here = True
 
     def on_fenced(self, action: Callable[[int, float], None] | None) -> None:
         if self._monitor is not None:
@@ -266,7 +271,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._monitor is not None and not self._left:
             finished = False
             try:
-                finished = self._current is not None and self.protocol.is_closed()
+                finished = self._current is not None and (
+                    self._closed_here or self.protocol.is_closed()
+                )
             except RendezvousError:
                 pass
             if finished:
