@@ -12,10 +12,13 @@ May import the round's ``joining`` (the join-record reader, the timeout error),
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
+from elastic.core.interfaces.store import StoreTimeoutError
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.joining import Joiner, timed_out
 from elastic.core.rendezvous.round.liveness import LivenessTracker
@@ -24,6 +27,8 @@ from elastic.core.rendezvous.round.publishing import RoundOutcomes
 from elastic.core.rendezvous.round.settings import RoundSettings
 
 log = logging.getLogger(__name__)
+
+JOIN_WAIT = 0.25  # s a coordinator waiting for joiners sleeps at most between two looks
 
 
 class Coordinator:
@@ -93,8 +98,12 @@ class Coordinator:
                 outcomes.publish(rnd, R.Assignment(round=rnd, state="abandoned"))
                 why = f"{len(ids)} of min_nodes={self.s.min_nodes} node(s) joined"
                 raise timed_out(outcomes.run_id, self.s, why)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+            if expected - ids:  # survivors still to come: a departure's event counts too
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
+            else:  # asleep until the next join (the store wakes us) or a clock is due
+                last_call = min_at + self.s.last_call_timeout if min_at is not None else deadline
+                self._await_join(rnd, seen + 1, min(deadline, last_call) - now)
         return self._form(rnd, joined, prev_roster)
 
     def _form(
@@ -138,6 +147,13 @@ class Coordinator:
             asg.master_port,
         )
         return self.outcomes.publish(rnd, asg, roster)
+
+    def _await_join(self, rnd: int, slot: int, seconds: float) -> None:
+        """Until join slot ``slot`` of round ``rnd`` is written, or ``seconds`` (at most
+        JOIN_WAIT, so a closed job is still seen): a waiting coordinator sleeps."""
+        wait = timedelta(seconds=min(max(seconds, 0.001), JOIN_WAIT))
+        with contextlib.suppress(StoreTimeoutError):
+            self.store.wait([R.join_key(rnd, slot)], wait)
 
     def _counters(self, rnd: int) -> tuple[int, int]:
         """(join slots taken in round ``rnd``, the ``events`` counter), in one read."""

@@ -84,6 +84,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         self._current: R.Assignment | None = None
         self._shut = False
         self._left = False
+        self._closed_here = False  # set_closed() returned: the job is closed
         self.node_id = R.new_node_id()
         self.addr = addr
         # Every agent listens; the one that becomes rank 0 is connected to (presence.py).
@@ -210,7 +211,11 @@ class RoundRendezvousHandler(RendezvousHandler):
         return self.protocol.is_closed()
 
     def set_closed(self) -> None:
-        self.protocol.set_closed()
+        # Every node of a finished job closes it: the first writes the record, bumps the
+        # events and wakes a forming round (several requests); the others find it closed.
+        if not self.protocol.is_closed():
+            self.protocol.set_closed()
+        self._closed_here = True
 
     def on_fenced(self, action: Callable[[int, float], None] | None) -> None:
         if self._monitor is not None:
@@ -272,11 +277,16 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._monitor is not None and not self._left:
             finished = False
             try:
-                finished = self._current is not None and self.protocol.is_closed()
+                finished = self._current is not None and (
+                    self._closed_here or self.protocol.is_closed()
+                )
             except RendezvousError:
                 pass
             if finished:
                 self._monitor.stop()
+                # "done" must be the last write to our beat: a keep-alive in flight lands
+                # first (else the store's host waits heartbeat_timeout for us at its exit).
+                self._monitor.lease.join(self.settings.heartbeat_interval)
                 try:
                     self.rdzv_store.set(R.hb_key(self.node_id), R.DONE)
                 except RendezvousError as exc:
@@ -328,7 +338,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             finished = set(lost) | set(done)  # once, not per member: N can be 1000s
             others = [m for m in beats if m not in finished]
             if others:
-                time.sleep(0.2)
+                time.sleep(0.05)  # only the store's host waits here: the job ends with it
 
     def describe(self) -> JobStatus:
         return describe(self.job_store, self.rdzv_store, self.protocol, self.params, self.backend)

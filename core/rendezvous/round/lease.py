@@ -165,6 +165,14 @@ class Lease:
         self._wake_keeper.set()
         JUDGES.remove(self)
 
+    def join(self, timeout: float) -> None:
+        """After ``stop``: wait (up to ``timeout`` s) for the keep-alive thread to end, so
+        a keep-alive already on its way lands before the caller's last write to the key
+        (a beat answered after "done" would replace it: TCPStore's heartbeat overwrites
+        what it does not expect)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def suspend(self) -> None:
         """Stop sending keep-alives (how tests make a node look hung)."""
         self._beating = False
