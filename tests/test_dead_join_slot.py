@@ -63,9 +63,15 @@ def _take_slot_and_die(handler: Any, rnd: int) -> int:
     return int(handler.rdzv_store.add(R.count_key(rnd), 1))
 
 
-def test_a_dead_first_slot_does_not_stall_the_round(nodes: Nodes) -> None:
+@pytest.mark.parametrize("token", [None, "job-token"])
+def test_a_dead_first_slot_does_not_stall_the_round(
+    nodes: Nodes, token: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if token is not None:  # signed records: the claim is signed and checked as one
+        monkeypatch.setenv("ELASTIC_RDZV_TOKEN", token)
     run_id = _run_id()
     a, b = nodes.make(run_id, 2, 2, n=2)
+    assert (a.rdzv_store.token is None) == (token is None)
     (ghost,) = nodes.make(run_id, 2, 2)
     assert _take_slot_and_die(ghost, 0) == 1  # the coordinator's slot
     started = time.monotonic()
