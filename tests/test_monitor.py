@@ -205,7 +205,10 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
     formed = time.monotonic()
     (job,) = [Counter(c) for c in counts.values() if c["ADD"]]
     print("requests forming the round:", dict(job))
-    assert job["ADD"] == n and job["SET"] == n + 1
+    # The join records are compare_sets from absent (a slot may be claimed empty), beside
+    # the fingerprints', the round key's and the outcome's; the roster is the one SET.
+    assert job["ADD"] == n and job["SET"] == 1
+    assert job["COMPARE_SET"] == n + n + 2, job
     # The coordinator may wait for a slot whose record is being written.
     assert n - 1 <= job["WAIT"] <= n + 2, job
     # A heartbeat is "<keep-alives sent> <time>"; the next is due a period (1 s) on.

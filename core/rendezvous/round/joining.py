@@ -1,7 +1,8 @@
 """A joiner's side of a round: ``Joiner`` admits this node by fingerprint, reads the
 round's state, takes a join slot with one ``add`` and writes its join record, reads join
-records (its own coordinator's; the coordinator reads them all with the same reader),
-and waits for the round's outcome in one server-side ``wait``.
+records (its own coordinator's; the coordinator reads them all with the same reader;
+a slot its taker never wrote is claimed empty after a short wait), and waits for the
+round's outcome in one server-side ``wait``.
 
 May import the round's ``publishing`` (the outcomes it reads), ``monitor`` (events),
 ``progress_lines``, ``settings``, ``signing`` and ``records``; outside the round,
@@ -32,6 +33,13 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.rendezvous.round.signing import wait_present
 
 log = logging.getLogger(__name__)
+
+# How long a reader waits for a taken join slot's record before it claims the slot empty:
+# this long, or this many of its own store round trips when the store is slower, never
+# more than the most (a live joiner that misses it only takes a later slot).
+EMPTY_SLOT_WAIT = 0.5
+EMPTY_SLOT_TRIPS = 4
+EMPTY_SLOT_WAIT_MOST = 2.0
 
 
 def timed_out(run_id: str, settings: RoundSettings, why: str) -> RendezvousTimeoutError:
@@ -101,12 +109,20 @@ class Joiner:
         return rnd, raw_round, outcomes.assignment(raw_asg, rnd)
 
     def take_slot(self, rnd: int) -> int:
-        """Take a join slot in round ``rnd`` and write this node's join record there."""
+        """Take a join slot in round ``rnd`` and write this node's join record there, with
+        ``compare_set`` from absent: a reader that found the slot still empty may have
+        claimed it empty meanwhile (``read_slots``), and then this node takes another."""
         record = dict(self.node, round=rnd, port=free_port(self.node["addr"]), t=time.time())
-        slot = self.store.add(R.count_key(rnd), 1)
-        self.store.set(R.join_key(rnd, slot), R.dumps(record))
-        if rnd == 0 and slot == 1:  # the job's first node: the round key says it exists
-            self.store.compare_set(R.ROUND, "", "0")
+        desired = R.dumps(record)
+        while True:
+            slot = self.store.add(R.count_key(rnd), 1)
+            held = self.store.compare_set(R.join_key(rnd, slot), "", desired)
+            if held == desired.encode():
+                break
+            log.info(
+                "round %d: join slot %d was claimed empty before this node wrote its "
+                "record there (a slow store); taking another", rnd, slot
+            )  # fmt: skip
         if rnd > 0:  # the running round's members count the next round's joiners
             note_event(self.store)
         return slot
@@ -118,14 +134,25 @@ class Joiner:
         keys = [R.join_key(rnd, i) for i in slots]
         if not keys:
             return []
+        asked = time.monotonic()
         values = dict(zip(keys, self.store.multi_get(keys), strict=True))
         missing = [key for key, raw in values.items() if not raw]
-        if missing:  # taken, not written yet (or foreign): wait, then read those again
-            try:  # a slot is written right after it is taken: this wait is short
-                wait_present(self.store, missing, timedelta(seconds=self.s.read_timeout))
+        if missing:  # taken, not written yet (or foreign)
+            # A slot is written one round trip after it is taken; one still empty after
+            # a few of ours is claimed empty, so that a joiner killed between the two
+            # costs nobody read_timeout. The claim and the record are both a
+            # compare_set from absent: exactly one lands, so a live joiner that was too
+            # slow finds the claim and takes a later slot, never skipped unseen.
+            trip = time.monotonic() - asked
+            bound = max(EMPTY_SLOT_WAIT, EMPTY_SLOT_TRIPS * trip)
+            bound = min(bound, EMPTY_SLOT_WAIT_MOST, self.s.read_timeout)
+            try:
+                wait_present(self.store, missing, timedelta(seconds=bound))
             except StoreTimeoutError:
-                pass  # a joiner died between add and set: its slot reads empty, is skipped
+                pass
             values.update(zip(missing, self.store.multi_get(missing), strict=True))
+            for key in [key for key in missing if not values[key]]:
+                values[key] = self.store.compare_set(key, "", R.EMPTY_SLOT)
         records = (self._join_record(rnd, i, values[k]) for i, k in zip(slots, keys, strict=True))
         return [record for record in records if record is not None]
 
@@ -136,6 +163,8 @@ class Joiner:
             return None
         key = self.outcomes.full(R.join_key(rnd, slot))
         record = R.loads(raw, key)
+        if R.is_empty_slot(record):
+            return None  # its taker never wrote it (``read_slots``)
         if not R.valid_join(record, rnd):
             log.warning("ignoring malformed join record at %s", key)
             return None
@@ -152,6 +181,8 @@ class Joiner:
                 found = self.read_slots(rnd, i, i)
             if found:
                 return i, str(found[0]["id"])
+        if rnd == 0:  # the job's first coordinator: the round key says the job exists
+            self.store.compare_set(R.ROUND, "", "0")
         return None
 
     def await_outcome(self, rnd: int, deadline: float, lines: RoundProgress | None) -> R.Assignment:

@@ -51,7 +51,7 @@ class RoundOutcomes:
 
     def round_number(self, raw: bytes) -> int:
         """The round key's value as a round: absent is round 0 (its first node writes
-        it, ``Joiner.take_slot``); never below the newest round this node joined."""
+        it, ``Joiner.find_coordinator``); never below the newest round this node joined."""
         try:
             rnd = int(raw) if raw else 0
         except ValueError:

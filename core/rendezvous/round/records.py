@@ -11,7 +11,8 @@ job prefix), the same on every coordination store::
     hb/<node_id>          "<seq> <unix time>", rewritten each heartbeat; at the end "done"
                           (its workers finished the job) or "left" (it departed)
     r/<n>/count           arrival counter of round n (``add``): a joiner's slot number
-    r/<n>/join/<slot>     the join record of that slot (JSON)
+    r/<n>/join/<slot>     the join record of that slot (JSON), or ``EMPTY_SLOT``: claimed
+                          empty by a reader, its taker never wrote it in time (it died)
     r/<n>/assignment      the outcome every node reads: formed / abandoned / closed, and
                           for a formed round what a node needs to start (its rank by its
                           join slot, the world size, the master): O(1) in the round's size
@@ -139,6 +140,16 @@ def counter(raw: bytes, key: str) -> int:
         raise RendezvousStateError(
             f"rendezvous state key {key!r} is not a counter: {bytes(raw[:60])!r}"
         ) from None
+
+
+# What a reader writes, with ``compare_set`` from absent, at a join slot that is still
+# empty a short while after it was taken (``Joiner.read_slots``): its taker died between
+# the ``add`` and its record, or is slow and finds the claim and takes another slot.
+EMPTY_SLOT = dumps({"empty": True})
+
+
+def is_empty_slot(record: Any) -> bool:
+    return isinstance(record, dict) and record.get("empty") is True
 
 
 def valid_join(record: Any, rnd: int) -> bool:
