@@ -209,6 +209,10 @@ def test_a_kill_while_the_others_regroup_after_rank_0_left_is_seen_at_once(
             return next(h for h in nodes if (r := job.latest(h)) and r["group_rank"] == rank)
 
         leaving, crashing = of_rank(0), of_rank(killed)
+        if backend == "c10d" and crashing is nodes[0]:
+            # The store's host: a SIGKILL there loses the c10d store, which ends the job
+            # by design (no handover without a goodbye); the case is about presence.
+            crashing = of_rank(3)
         survivors = [h for h in nodes if h not in (leaving, crashing)]
         signalled = time.time()
         os.kill(job.nodes[leaving.name].proc.pid, signal.SIGTERM)
