@@ -15,7 +15,8 @@ is spent. A worker that lost its group under it (a peer died mid-collective) mar
 Anything else takes the usual path: workers that did not say so (plain scripts), a
 worker that died, or one that did not take the new round within ``BOUNDARY_WAIT`` plus
 twice its longest step (stuck in a collective with a dead peer) are stopped and started
-again in the new round. Never imports torch.
+again in the new round; never one whose ranks agreed training is done, however long its
+exit takes (``finished_untaken``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -150,17 +151,19 @@ def finished_untaken(
     ``DONE``) and is on its way out: the old group's last barrier and its teardown can
     outlast the bound for taking a round on a loaded machine, and restarting it then
     would start a fresh worker at step 0 that trains alone with the round's other new
-    workers. Those are given ``BOUNDARY_WAIT`` to exit; the caller stops what is left."""
+    workers. Those are given ``BOUNDARY_WAIT`` to exit; the caller stops what is left. How
+    a done worker exits does not matter: nothing runs again after done (as in the
+    monitor's ``after_done``)."""
     taken = control.joined(generation)
     done = control.done()
     if not workers or any(w.local_rank in taken for w in workers):
         return False
-    if not all(w.poll() == 0 or (w.poll() is None and w.local_rank in done) for w in workers):
+    if not all(w.poll() == 0 or w.local_rank in done for w in workers):
         return False
     deadline = time.monotonic() + BOUNDARY_WAIT
     while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
         sleep(_POLL)
-    return all(w.poll() in (0, None) for w in workers)
+    return True
 
 
 def announce_finished(store: Store, round_: int) -> None:
