@@ -12,7 +12,9 @@ in place. Events, one JSON line each in ``FAULTS_OUT/events.jsonl``: "start" (a 
 started), "sync" (after ``state.sync``), "step" (a step completed: its value), "done";
 each with the time, host, pid, and the rank, world and restart count of that moment.
 A file ``FAULTS_OUT/stall-<host>`` makes that host's worker sleep 30 s in its next step
-(and is removed): a worker that cannot reach a step boundary.
+(and is removed): a worker that cannot reach a step boundary. ``REGROUP_HOLD_LAST=1``
+holds the last step until the agent asks for a regroup (the job finishes at the boundary
+meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ class Accumulator(AccumulatorState):
 
 def train_step(state):
     rank, world = dist.get_rank(), dist.get_world_size()
+    if state.step + 1 == steps and os.environ.get("REGROUP_HOLD_LAST"):
+        # a test makes the job's last step boundary the one meant to regroup it
+        held = time.monotonic() + 60
+        while not elastic.membership_changed() and time.monotonic() < held:
+            time.sleep(0.005)
     stall = os.path.join(out, "stall-" + rec["host"])
     if os.path.exists(stall):  # a test makes this worker miss the next step boundary
         os.unlink(stall)
@@ -100,6 +107,7 @@ note("start", 0)
 state = Accumulator()
 last = elastic.train(train_step, state, checkpointer="", regroup_in_place=in_place)
 note("done", last, value=state.value)
+time.sleep(float(os.environ.get("REGROUP_EXIT_DELAY", "0")))  # a slow exit after the job
 dist.barrier()
 dist.destroy_process_group()
 """
