@@ -155,8 +155,8 @@ def per_s(after: dict[str, int], before: dict[str, int], span: float) -> dict[st
 
 def profile_job(label: str, path_root: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=work))
+    from elastic.harness.processes import kill_tree
     from elastic.testing.ports import free_port, listening_pid
-    from elastic.testing.processes import kill_tree
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=path_root, PROFILE_DIR=str(folder))

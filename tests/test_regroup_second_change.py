@@ -1,6 +1,6 @@
 """A second change while the job regroups in place (issue 34, item 5), on a simulated
 multi-host network: real agents (c10d, the store on host 0), one per host, running
-``elastic.testing.regroup_job.REGROUP_WORKER`` (``elastic.train`` on gloo, no checkpointer,
+``elastic.harness.regroup_job.REGROUP_WORKER`` (``elastic.train`` on gloo, no checkpointer,
 an integer state that ends bit-identical to an unbroken run's).
 
 A node joins a 3-node job; while the round with it has formed and the kept workers wait for
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 
 import pytest
-from elastic.testing.cluster import Cluster
-from elastic.testing.multihost import wait_until
-from elastic.testing.preemption_job import read_events
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import wait_until
+from elastic.harness.preemption_job import read_events
 from test_regroup_multihost import JOIN_STEPS, expected_value, finish, reference, start_job
 
 pytestmark = pytest.mark.slow
