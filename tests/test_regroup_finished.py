@@ -6,12 +6,9 @@ one process (the agent's functions against real processes) and on the simulated 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from elastic.core.agent.regroup import BOUNDARY_WAIT, finished_untaken, wait_taken
@@ -25,26 +22,8 @@ from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
 from elastic.harness.preemption_job import read_events
 from elastic.harness.regroup_job import regroup_job
+from elastic.harness.worker_specs import SleepingWorker
 from elastic.training import control, preemption
-
-
-class Worker:
-    """A real process in the agent's ``WorkerProcess`` shape."""
-
-    def __init__(self, local_rank: int, seconds: float) -> None:
-        self.local_rank = local_rank
-        code = f"import time; time.sleep({seconds})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code])
-        self.pid = self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def reap(self, timeout: float) -> int | None:
-        return self.proc.wait(timeout)
-
-    def return_value(self) -> Any:
-        return None
 
 
 @pytest.fixture
@@ -61,7 +40,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlFil
 
 def test_a_done_worker_still_exiting_finished_in_the_old_round(node: ControlFile) -> None:
     # its ranks agreed the job is done; its exit (the old group's barrier) takes a while
-    worker = Worker(0, seconds=1.5)
+    worker = SleepingWorker(seconds=1.5)
     try:
         control.set_mine(DONE, 1)
         generation = node.hand_over({0: {"RANK": "0"}})
@@ -77,7 +56,7 @@ def test_a_done_worker_still_exiting_finished_in_the_old_round(node: ControlFile
 
 
 def test_a_running_worker_that_is_not_done_has_not_finished(node: ControlFile) -> None:
-    worker = Worker(0, seconds=30)
+    worker = SleepingWorker(seconds=30)
     try:
         generation = node.hand_over({0: {"RANK": "0"}})
         began = time.monotonic()

@@ -5,8 +5,6 @@ read from the store each interval instead of waiting for the handler's cached li
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,30 +13,9 @@ import pytest
 from elastic.core.agent.monitor import watch_attempt
 from elastic.core.agent.outcome import Outcome
 from elastic.core.rendezvous.local import LocalRendezvousHandler
+from elastic.harness.worker_specs import SleepingWorker
 
 LONG = 30.0  # a monitor interval only an event can cut short
-
-
-class Worker:
-    def __init__(self, seconds: float, code: int = 0) -> None:
-        self.local_rank = 0
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit({code})"]
-        )
-        self.pid = self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def reap(self, timeout: float) -> int | None:
-        return self.proc.wait(timeout)
-
-    def return_value(self) -> Any:
-        return None
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 class Job:
@@ -70,7 +47,7 @@ def sleep(seconds: float, wait: Callable[[float], object] = time.sleep) -> None:
     wait(seconds)
 
 
-def watch(worker: Worker, handler: DepartureHandler, **kw: Any) -> tuple[Outcome, float]:
+def watch(worker: SleepingWorker, handler: DepartureHandler, **kw: Any) -> tuple[Outcome, float]:
     started = time.monotonic()
     end = watch_attempt(
         [worker],  # type: ignore[list-item]
@@ -84,7 +61,7 @@ def watch(worker: Worker, handler: DepartureHandler, **kw: Any) -> tuple[Outcome
 
 
 def test_a_worker_exit_ends_the_attempt_before_the_interval() -> None:
-    worker = Worker(0.2, code=3)
+    worker = SleepingWorker(0.2, code=3)
     try:
         outcome, took = watch(worker, DepartureHandler(), interval=LONG, relay_checkpoint=None)
     finally:
@@ -96,7 +73,7 @@ def test_a_worker_exit_ends_the_attempt_before_the_interval() -> None:
 @pytest.mark.parametrize("requested", [True, False])
 def test_once_the_save_is_counted_the_departure_is_read_from_the_store(requested: bool) -> None:
     """Requested through the job's keys or heard of by the workers first: either way."""
-    handler, worker = DepartureHandler(), Worker(LONG)
+    handler, worker = DepartureHandler(), SleepingWorker(LONG)
     try:
         outcome, _ = watch(
             worker,
@@ -113,7 +90,7 @@ def test_once_the_save_is_counted_the_departure_is_read_from_the_store(requested
 
 
 def test_before_the_save_is_counted_the_store_is_not_asked() -> None:
-    handler, worker = DepartureHandler(), Worker(0.5)
+    handler, worker = DepartureHandler(), SleepingWorker(0.5)
     try:
         outcome, _ = watch(
             worker,
