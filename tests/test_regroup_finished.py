@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from elastic.core.agent import regroup as regroup_agent
 from elastic.core.agent.regroup import BOUNDARY_WAIT, finished_untaken, wait_taken
 from elastic.core.workers.control_file import (
     DONE,
@@ -25,7 +24,6 @@ from elastic.harness.preemption_job import read_events
 from elastic.harness.regroup_job import regroup_job
 from elastic.harness.worker_specs import SleepingWorker
 from elastic.training import control, preemption
-from elastic.training import regroup as training_regroup
 
 
 @pytest.fixture
@@ -64,33 +62,6 @@ def test_a_running_worker_that_is_not_done_has_not_finished(node: ControlFile) -
         began = time.monotonic()
         assert not finished_untaken(node, generation, [worker], time.sleep)
         assert time.monotonic() - began < 1.0 and worker.poll() is None
-    finally:
-        worker.proc.kill()
-        worker.proc.wait()
-
-
-@pytest.mark.parametrize("at_boundary", [True, False], ids=["waiting", "stuck"])
-def test_only_a_node_whose_workers_wait_at_the_boundary_is_patient(
-    node: ControlFile, monkeypatch: pytest.MonkeyPatch, at_boundary: bool
-) -> None:
-    """Two nodes' bounds run out together when one's worker is stuck in a step and the
-    other's waits for it in the agreement: the stuck one gives up at once (and restarts
-    its worker, which frees the other's collective), the waiting one looks for that a
-    grace longer (the round's first node always does)."""
-    monkeypatch.setattr(regroup_agent, "BOUNDARY_WAIT", 0.3)
-    worker = SleepingWorker(seconds=30)
-    try:
-        node.request_regroup()
-        if at_boundary:
-            assert training_regroup.membership_changed()  # it stopped at the boundary
-        generation = node.hand_over({0: {"RANK": "0"}})
-        began = time.monotonic()
-        assert not wait_taken(node, generation, [worker], time.sleep, lambda: False)
-        waited = time.monotonic() - began
-        if at_boundary:
-            assert waited >= 0.3 + regroup_agent.REPLACED_GRACE
-        else:
-            assert waited < 0.3 + regroup_agent.REPLACED_GRACE / 2
     finally:
         worker.proc.kill()
         worker.proc.wait()

@@ -190,9 +190,9 @@ def test_a_crashed_node_breaks_a_step_the_survivors_roll_back_and_regroup(
 @pytest.mark.timeout(180)
 @pytest.mark.xfail(
     strict=False,
-    reason="known gap: host 0's worker waits for the stuck one inside the step's own "
-    "collective, which the agent cannot tell from stuck; when host 1 is the new round's "
-    "rank 0 (the patient node), host 0 gives up first and both nodes restart their workers",
+    reason="known gap: when the stuck worker's node is the new round's rank 0, the node "
+    "whose worker only waits for it in the agreement gives up first (the patient node is "
+    "chosen by rank, wait_taken), so both nodes restart their workers",
 )
 def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
     cluster_factory: Make, tmp_path: Path

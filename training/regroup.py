@@ -28,7 +28,6 @@ import os
 import time
 
 from elastic.core.workers.control_file import (
-    BOUNDARY,
     BROKEN,
     CAPABLE,
     GENERATION_FIELD,
@@ -76,12 +75,7 @@ def membership_changed() -> bool:
     if _last_boundary:
         control.set_mine(STEP_US, int((now - _last_boundary[0]) * 1e6))
     _last_boundary[:] = [now]
-    wanted = control.header(REGROUP_FIELD)
-    if wanted <= control.mine(JOINED):
-        return False
-    if control.mine(BOUNDARY) != wanted:  # tells the agent we stopped here, not stuck
-        control.set_mine(BOUNDARY, wanted)
-    return True
+    return control.header(REGROUP_FIELD) > control.mine(JOINED)
 
 
 def regroup(*, broken: bool = False) -> tuple[int, int]:

@@ -89,7 +89,7 @@ class InPlaceRegroup(AgentBase):
                 return False  # cannot tell: the bound decides
 
         taken = wait_taken(
-            control, generation, self._workers, self._sleep, replaced, first=info.rank == 0
+            control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
         )
         # Also when the bound ran out: workers done in the old round are never restarted.
         if finished_untaken(control, generation, self._workers, self._sleep):

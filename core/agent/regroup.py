@@ -205,7 +205,7 @@ def wait_taken(
     workers: Sequence[WorkerProcess],
     sleep: Callable[[float], None],
     replaced: Callable[[], bool] = lambda: False,
-    first: bool = False,
+    patient: bool = False,
 ) -> bool:
     """Until every worker took round ``generation``, ended or marked itself done (the
     caller and the monitor then judge how) (True), or the bound ran out (False).
@@ -214,12 +214,9 @@ def wait_taken(
     restarting them. Ours may be waiting only in a collective with one of those, which
     fails once it is stopped; then ours roll back and take the round. So when the bound
     runs out and another node replaced its workers, ours get ``BOUNDARY_WAIT`` more, once.
-    The bounds of two such nodes run out together: a patient node looks for the other's
-    announcement for ``REPLACED_GRACE`` more, the others give up at once, so one of the two
-    is kept when its workers were only waiting. Patient: a node whose waiting workers all
-    stopped at the step boundary (``at_boundary``: they wait in the agreement for a peer,
-    so they are not the stuck ones), and the round's ``first`` node (rank 0), since a
-    worker waiting for a peer inside a step's own collective looks like a stuck one."""
+    The bounds of two such nodes run out together: the ``patient`` one (the round's rank
+    0) looks for the other's announcement for ``REPLACED_GRACE`` more, the others give up
+    at once, so one of the two is kept when its workers were only waiting."""
     deadline = time.monotonic() + BOUNDARY_WAIT + 2 * control.longest_step()
     extended = False
     while True:
@@ -232,20 +229,9 @@ def wait_taken(
                 return False
             if replaced():
                 extended, deadline = True, now + BOUNDARY_WAIT
-            elif now >= deadline + REPLACED_GRACE or not (
-                first or _only_waiting(control, generation, workers, taken)
-            ):
+            elif not patient or now >= deadline + REPLACED_GRACE:
                 return False
         sleep(_POLL)
-
-
-def _only_waiting(
-    control: ControlFile, generation: int, workers: Sequence[WorkerProcess], taken: set[int]
-) -> bool:
-    """Every local worker that has not taken round ``generation`` stopped at a step
-    boundary for it (or ended): none is stuck inside a step."""
-    stopped = control.at_boundary(generation) | taken
-    return all(w.local_rank in stopped or w.poll() is not None for w in workers)
 
 
 def announce_replaced(store: Store, round_: int) -> None:

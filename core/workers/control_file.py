@@ -52,9 +52,9 @@ ENV_PREEMPTION_GRACE = "ELASTIC_PREEMPTION_GRACE"
 HEADER = struct.Struct("<QQQQ")
 CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD = 0, 1, 2, 3
 # per local rank: (listening, saved request number, capable, joined, broken, step_us, ready,
-# done, boundary: the regroup request it saw at a step boundary, so it waits in the agreement)
-SLOT = struct.Struct("<QQQQQQQQQ")
-LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY, DONE, BOUNDARY = range(9)
+# done)
+SLOT = struct.Struct("<QQQQQQQQ")
+LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY, DONE = range(8)
 # A worker may learn of a request from its peers (the all_reduce of the flag) before its
 # own agent has raised it locally: it then saves "for whatever request is pending".
 SAVED_PENDING = 2**64 - 1
@@ -177,11 +177,6 @@ class ControlFile:
         """The local ranks whose ranks all agreed that training is done (``elastic.train``
         returned): a failure of theirs after that is no reason to run the job again."""
         return {r for r, slot in enumerate(self._slots()) if slot[DONE]}
-
-    def at_boundary(self, generation: int) -> set[int]:
-        """The local ranks that saw the request for round ``generation`` at a step boundary
-        (they stopped there, and wait at most for their peers): not stuck in a step."""
-        return {r for r, slot in enumerate(self._slots()) if slot[BOUNDARY] >= generation}
 
     def longest_step(self) -> float:
         """The longest last step of any local worker, in seconds."""
