@@ -88,14 +88,12 @@ class InPlaceRegroup(AgentBase):
             except RendezvousError:
                 return False  # cannot tell: the bound decides
 
-        taken = wait_taken(
+        if wait_taken(
             control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
-        )
-        # Also when the bound ran out: workers done in the old round are never restarted.
-        if finished_untaken(control, generation, self._workers, self._sleep):
-            announce_finished(info.store, info.round)  # as above, one step later
-            return self._succeeded(info)
-        if taken:
+        ):
+            if finished_untaken(control, generation, self._workers):
+                announce_finished(info.store, info.round)  # as above, one step later
+                return self._succeeded(info)
             self._notify("elastic_workers_started", group=self._group)
             return info, True
         with contextlib.suppress(RendezvousError):
