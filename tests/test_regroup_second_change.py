@@ -14,16 +14,33 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-from elastic.harness.cluster import Cluster
-from elastic.harness.multihost import wait_until
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import FaultJob, wait_until
 from elastic.harness.preemption_job import read_events
 from test_regroup_multihost import JOIN_STEPS, expected_value, finish, reference, start_job
 
 pytestmark = pytest.mark.slow
 
 Make = Callable[..., Cluster]
+
+
+def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str, Any]]:
+    """Asserts no node restarted its workers on a regroup bound and ``kept``'s workers
+    were neither started again after ``since`` nor replaced (one pid each, ever); returns
+    the job's events."""
+    texts = job.texts()
+    assert "did not take the new round in time" not in texts, texts
+    names = {h.name for h in kept}
+    restarted = [r for r in job.starts() if r["host"] in names and r["t"] > since]
+    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
+    seen = read_events(job.workdir)
+    for host in kept:
+        pids = {e["pid"] for e in seen if e["host"] == host.name}
+        assert len(pids) == 1, f"{host.name} ran {pids}"
+    return seen
 
 
 @pytest.mark.timeout(300)
@@ -48,14 +65,7 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
         if ref.poll() is None:
             ref.kill()
             ref.communicate()
-    texts = job.texts()
-    assert "did not take the new round in time" not in texts, texts
-    restarted = [r for r in job.starts() if r["host"] in {h.name for h in kept} and r["t"] > killed]
-    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
-    seen = read_events(job.workdir)
-    for host in kept:
-        pids = {e["pid"] for e in seen if e["host"] == host.name}
-        assert len(pids) == 1, f"{host.name} ran {pids}"
+    seen = workers_kept(job, kept, killed)
     steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
     assert {e["host"] for e in steps_after} == {h.name for h in (*kept, joiner)}, steps_after
     done = [e for e in seen if e["event"] == "done"]
@@ -91,14 +101,7 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
         if ref.poll() is None:
             ref.kill()
             ref.communicate()
-    texts = job.texts()
-    assert "did not take the new round in time" not in texts, texts
-    restarted = [r for r in job.starts() if r["host"] in {h.name for h in kept} and r["t"] > second]
-    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
-    seen = read_events(job.workdir)
-    for host in kept:
-        pids = {e["pid"] for e in seen if e["host"] == host.name}
-        assert len(pids) == 1, f"{host.name} ran {pids}"
+    seen = workers_kept(job, kept, second)
     # one world at a time: the joiners never trained without the kept workers
     worlds = {e["world"] for e in seen if e["event"] == "step"}
     assert worlds <= {2, 3, 4} and 4 in worlds, worlds
