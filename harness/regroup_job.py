@@ -19,11 +19,15 @@ meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from elastic.harness.accumulator import ACCUMULATOR_STATE
-from elastic.harness.cluster import Cluster
-from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
+from elastic.harness.cluster import Cluster, Host
+from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job, wait_until
+from elastic.harness.preemption_job import last_step, read_events
 
 REGROUP_WORKER = (
     """\
@@ -140,3 +144,63 @@ def regroup_job(
         launcher=launcher,
         env=env,
     )
+
+
+STEPS = 60
+# A joining node's worker starts (imports torch) while the others train on: the job must
+# outlast that on a loaded 2-core machine.
+JOIN_STEPS = 200
+CHANGE_AT = 5  # the fault comes once the job has done this many steps
+PAUSE = 0.1  # s per step
+FORM_TIMEOUT = 60.0  # first round: every agent imports and connects on 2 cores
+FINISH_TIMEOUT = 90.0
+
+
+def reference(tmp_path: Path, steps: int = STEPS) -> subprocess.Popen[str]:
+    """The undisturbed run's final value, computed in one process (``expected_value``)."""
+    script = tmp_path / "reference.py"
+    script.write_text(REGROUP_WORKER)
+    return subprocess.Popen(
+        [sys.executable, str(script), "--reference", str(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def expected_value(proc: subprocess.Popen[str]) -> int:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return int(json.loads(out))
+
+
+def start_job(
+    cluster: Cluster,
+    workdir: Path,
+    nnodes: str,
+    hosts: list[Host],
+    steps: int = STEPS,
+    args: tuple[str, ...] = (),
+) -> FaultJob:
+    """A regroup job on ``hosts`` that formed and trained ``CHANGE_AT`` steps."""
+    job = regroup_job(
+        cluster,
+        workdir,
+        steps=steps,
+        pause=PAUSE,
+        nnodes=nnodes,
+        args=["--max-restarts=0", *args],
+    )
+    formed = job.start_together(hosts, FORM_TIMEOUT)
+    assert formed, f"the {len(hosts)}-node job did not form\n{job.texts()}"
+    world = len(hosts)
+    trained = wait_until(lambda: last_step(read_events(job.workdir), world) >= CHANGE_AT, 60)
+    assert trained, f"the {world}-node job did not train\n{job.texts()}"
+    return job
+
+
+def finish(job: FaultJob, hosts: list[Host]) -> None:
+    """Every agent of ``hosts`` exited 0."""
+    for host in hosts:
+        code = job.nodes[host.name].wait(timeout=FINISH_TIMEOUT)
+        assert code == 0, f"{host.name} exited {code}\n{job.texts()}"

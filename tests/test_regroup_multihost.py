@@ -26,82 +26,30 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from elastic.harness.cluster import Cluster, Host
 from elastic.harness.multihost import C10D_PORT, FaultJob, wait_until
 from elastic.harness.preemption_job import read_events
-from elastic.harness.regroup_job import REGROUP_WORKER, regroup_job
+from elastic.harness.regroup_job import (
+    FORM_TIMEOUT,
+    JOIN_STEPS,
+    PAUSE,
+    STEPS,
+    expected_value,
+    finish,
+    last_step,
+    reference,
+    regroup_job,
+    start_job,
+)
 
 pytestmark = pytest.mark.slow
 
 Make = Callable[..., Cluster]
-
-STEPS = 60
-# A joining node's worker starts (imports torch) while the others train on: the job must
-# outlast that on a loaded 2-core machine.
-JOIN_STEPS = 200
-CHANGE_AT = 5  # the fault comes once the job has done this many steps
-PAUSE = 0.1  # s per step
-FORM_TIMEOUT = 60.0  # first round: every agent imports and connects on 2 cores
-FINISH_TIMEOUT = 90.0
-
-
-def reference(tmp_path: Path, steps: int = STEPS) -> subprocess.Popen[str]:
-    script = tmp_path / "reference.py"
-    script.write_text(REGROUP_WORKER)
-    return subprocess.Popen(
-        [sys.executable, str(script), "--reference", str(steps)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def expected_value(proc: subprocess.Popen[str]) -> int:
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    return int(json.loads(out))
-
-
-def start_job(
-    cluster: Cluster,
-    workdir: Path,
-    nnodes: str,
-    hosts: list[Host],
-    steps: int = STEPS,
-    args: tuple[str, ...] = (),
-) -> FaultJob:
-    job = regroup_job(
-        cluster,
-        workdir,
-        steps=steps,
-        pause=PAUSE,
-        nnodes=nnodes,
-        args=["--max-restarts=0", *args],
-    )
-    formed = job.start_together(hosts, FORM_TIMEOUT)
-    assert formed, f"the {len(hosts)}-node job did not form\n{job.texts()}"
-    world = len(hosts)
-    trained = wait_until(lambda: last_step(read_events(job.workdir), world) >= CHANGE_AT, 60)
-    assert trained, f"the {world}-node job did not train\n{job.texts()}"
-    return job
-
-
-def last_step(seen: list[dict[str, Any]], world: int) -> int:
-    return max((e["step"] for e in seen if e["event"] == "step" and e["world"] == world), default=0)
-
-
-def finish(job: FaultJob, hosts: list[Host]) -> None:
-    for host in hosts:
-        code = job.nodes[host.name].wait(timeout=FINISH_TIMEOUT)
-        assert code == 0, f"{host.name} exited {code}\n{job.texts()}"
 
 
 def kept_in_place(

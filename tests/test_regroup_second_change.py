@@ -20,7 +20,7 @@ import pytest
 from elastic.harness.cluster import Cluster, Host
 from elastic.harness.multihost import FaultJob, wait_until
 from elastic.harness.preemption_job import read_events
-from test_regroup_multihost import JOIN_STEPS, expected_value, finish, reference, start_job
+from elastic.harness.regroup_job import JOIN_STEPS, expected_value, finish, reference, start_job
 
 pytestmark = pytest.mark.slow
 
