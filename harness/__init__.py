@@ -8,7 +8,9 @@ the regroup workers' state), the launchers a test starts and their processes
 (``processes``), workers' JSON records (``records``), bench reports (``benchmarking``),
 and the helpers test modules import: ``commands`` (the CLI run for real),
 ``distributions`` (throwaway installed plugins), ``worker_specs``, ``store_sockets`` (a
-misbehaving store peer) and ``c10d_handlers`` (c10d handlers as threads).
+misbehaving store peer), ``c10d_handlers`` (c10d handlers as threads),
+``shared_rendezvous`` (several agents on one in-memory job store) and
+``prometheus_names`` (the naming conventions every exported metric follows).
 
 Only ``tests/`` and ``bench/`` import it, as ``elastic.harness`` through the editable
 install (``pip install -e .``); it is not in the wheel. What plugin authors use ships as

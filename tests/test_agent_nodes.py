@@ -9,77 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic.core.agent.loop import LocalElasticAgent
-from elastic.core.interfaces.rendezvous import (
-    RendezvousClosedError,
-    RendezvousInfo,
-)
 from elastic.core.interfaces.spec import RunResult, WorkerState
-from elastic.core.rendezvous.local import LocalRendezvousHandler
 from elastic.harness.commands import write_script as script
+from elastic.harness.shared_rendezvous import NodeHandler, SharedRendezvous
 from elastic.harness.worker_specs import make_spec
-
-
-# --- several nodes sharing one job store -------------------------------------------------
-class SharedRendezvous:
-    """A real in-memory rendezvous for ``n`` agents in one process (one per thread)."""
-
-    def __init__(self, n: int) -> None:
-        from elastic.core.interfaces.store import LocalStore
-
-        self.n = n
-        self.store = LocalStore()
-        self.cond = threading.Condition()
-        self.open_round = 0
-        self.waiting: list[str] = []
-        self.formed: dict[int, list[str]] = {}
-        self.closed = False
-
-
-class NodeHandler(LocalRendezvousHandler):
-    def __init__(self, shared: SharedRendezvous, name: str) -> None:
-        super().__init__("multi")
-        self.shared, self.name = shared, name
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        from elastic.core.rendezvous.local import free_port
-
-        s = self.shared
-        with s.cond:
-            if s.closed:
-                raise RendezvousClosedError("closed")
-            rnd = s.open_round
-            s.waiting.append(self.name)
-            if len(s.waiting) == s.n:
-                s.formed[rnd], s.waiting = sorted(s.waiting), []
-                s.open_round += 1
-                s.cond.notify_all()
-            elif not s.cond.wait_for(lambda: s.open_round > rnd or s.closed, timeout=30):
-                raise RendezvousClosedError("timed out")
-            if s.closed and rnd not in s.formed:
-                raise RendezvousClosedError("closed")
-            members = s.formed[rnd]
-        return RendezvousInfo(
-            store=s.store,
-            rank=members.index(self.name),
-            world_size=s.n,
-            master_addr="localhost",
-            master_port=free_port(),
-            round=rnd,
-            members=members,
-        )
-
-    def num_nodes_waiting(self) -> int:
-        with self.shared.cond:
-            return len(self.shared.waiting)
-
-    def set_closed(self) -> None:
-        with self.shared.cond:
-            self.shared.closed = True
-            self.shared.cond.notify_all()
-
-    def is_closed(self) -> bool:
-        return self.shared.closed
-
 
 NODE_WORKER = """
 import os, sys, time

@@ -22,9 +22,9 @@ from elastic.core.interfaces.store import LocalStore
 from elastic.core.rendezvous.local import LocalRendezvousHandler
 from elastic.harness.commands import write_script as script
 from elastic.harness.processes import Processes
+from elastic.harness.shared_rendezvous import NodeHandler, SharedRendezvous
 from elastic.harness.worker_specs import make_spec
 from elastic.testing.waits import wait_until
-from test_agent_nodes import NodeHandler, SharedRendezvous
 
 
 def test_the_rule() -> None:

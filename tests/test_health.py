@@ -17,9 +17,9 @@ import pytest
 from elastic.harness.commands import cli_env, run_elastic, write_script
 from elastic.harness.distributions import make_distribution
 from elastic.harness.processes import Processes
+from elastic.harness.prometheus_names import convention_breaks
 from elastic.testing.ports import free_port
 from elastic.testing.waits import wait_until
-from test_metrics import convention_breaks
 
 T = 4.0
 
