@@ -56,8 +56,13 @@ class MetadataFolder:
 
 
 def normalize(name: str) -> str:
-    """PEP 503 normalization with dashes as underscores (``importlib.metadata``'s)."""
-    return re.sub(r"[-_.]+", "-", name).lower().replace("-", "_")
+    """PEP 503 normalization with dashes as underscores (``importlib.metadata``'s
+    ``re.sub(r"[-_.]+", "-", name).lower().replace("-", "_")``, without a regex: it runs
+    once per installed distribution)."""
+    name = name.lower().replace("-", "_").replace(".", "_")
+    while "__" in name:
+        name = name.replace("__", "_")
+    return name
 
 
 def exotic() -> bool:
