@@ -15,8 +15,9 @@ from elastic.testing.ports import free_port
 # Modules a launch that uses none of their features must not import: metadata through
 # importlib.metadata and email (plugin discovery reads the files itself), the commands
 # other than `run`, the metrics sinks (the metrics plugin looks them up on first use),
-# multiprocessing (Python-callable workers only), the etcd and prometheus extras, TLS,
-# an HTTP server, and torch. (uuid and platform are click's own imports.)
+# multiprocessing (Python-callable workers only), the watchdog's built-ins (only with
+# --stall-timeout, --health-port or the file timer), the etcd and prometheus extras,
+# TLS, an HTTP server, and torch. (uuid and platform are click's own imports.)
 NOT_IMPORTED = (
     "importlib.metadata",
     "email",
@@ -24,6 +25,10 @@ NOT_IMPORTED = (
     "elastic.cli.status",
     "elastic.plugins.metrics.sinks",
     "multiprocessing",
+    "elastic.core.watchdog.watch",
+    "elastic.core.watchdog.stall",
+    "elastic.core.watchdog.stacks",
+    "elastic.core.watchdog.file_timer_plugin",
     "etcd",
     "urllib3",
     "prometheus_client",
