@@ -19,7 +19,8 @@ editable install without ``__pycache__``, so every launch of ours would compile 
 modules afresh (~90 ms of CPU), while torch's came compiled with its wheel, as ours do
 from a real install. ``--bytecode cached`` (the default, as in ``agents_scale.py``) gives
 both launchers and their workers a ``PYTHONPYCACHEPREFIX``, filled by the warm-up runs;
-``--bytecode env`` runs as the environment says (the figures before 2026-11-27 06:00).
+``--bytecode env`` runs as the environment says (how the launch figures were measured
+before this option).
 
     python bench/launch.py --repeat 5 [--impls ours,torchrun] [--json out.json]
 """
