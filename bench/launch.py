@@ -14,6 +14,14 @@ noise hits both alike; a ``--warmup`` run of each is discarded):
 
 Prints a table (median, min-max, ratio ours/torchrun, target) and then JSON.
 
+Bytecode: this environment sets ``PYTHONDONTWRITEBYTECODE=1`` and the project is an
+editable install without ``__pycache__``, so every launch of ours would compile its ~100
+modules afresh (~90 ms of CPU), while torch's came compiled with its wheel, as ours do
+from a real install. ``--bytecode cached`` (the default, as in ``agents_scale.py``) gives
+both launchers and their workers a ``PYTHONPYCACHEPREFIX``, filled by the warm-up runs;
+``--bytecode env`` runs as the environment says (how the launch figures were measured
+before this option).
+
     python bench/launch.py --repeat 5 [--impls ours,torchrun] [--json out.json]
 """
 
@@ -32,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agents_scale_startup import bytecode_env
 from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
@@ -181,6 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument(
+        "--bytecode",
+        choices=("cached", "env"),
+        default="cached",
+        help="cached: every interpreter reads bytecode from --pycache-prefix, written by the "
+        "warm-up runs; env: as the environment says (PYTHONDONTWRITEBYTECODE=1 makes "
+        "ours compile every module on every start)",
+    )
+    parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
     add_report_options(parser)
     args = parser.parse_args(argv)
     try:
@@ -193,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     impls = [i for i in args.impls.split(",") if i]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    env = bench_env(args)
+    env = bytecode_env(bench_env(args), args.bytecode, args.pycache_prefix)
+    if args.bytecode == "cached" and args.warmup < 1:
+        raise BenchError("--bytecode cached needs a warm-up run (--warmup 1) to fill the cache")
     samples: dict[str, dict[str, list[float]]] = {s: {i: [] for i in impls} for s in scenarios}
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
@@ -226,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "warmup": args.warmup,
         "res_options": env.get("RES_OPTIONS"),
+        "bytecode": {
+            "mode": args.bytecode,
+            "PYTHONPYCACHEPREFIX": env.get("PYTHONPYCACHEPREFIX"),
+            "PYTHONDONTWRITEBYTECODE": env.get("PYTHONDONTWRITEBYTECODE"),
+        },
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

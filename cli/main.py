@@ -1,4 +1,6 @@
-"""The ``elastic`` command. Importing it stays cheap: no torch, no plugin modules.
+"""The ``elastic`` command. Importing it stays cheap: no torch, no plugin modules, and
+of the commands only ``run``: ``plugins`` and ``status`` are imported when they are asked
+for (or listed, by ``elastic --help``), so an agent's start does not pay for them.
 
 The command is the program, so it, not the library, configures logging: one
 ``StderrHandler`` on the ``elastic`` logger (``core/log.py``), and that logger's level
@@ -8,29 +10,47 @@ logger is left alone.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 
 import click
 from elastic import __version__
-from elastic.cli.plugins_cmd import plugins_group
 from elastic.cli.run import run_command
-from elastic.cli.status import status_command
 from elastic.core.log import LOG, StderrHandler, say
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+# command name -> "module:attribute" of a command imported only when it is used
+LAZY_COMMANDS = {
+    "plugins": "elastic.cli.plugins_cmd:plugins_group",
+    "status": "elastic.cli.status:status_command",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class Commands(click.Group):
+    """``run`` is registered; the commands of ``LAZY_COMMANDS`` are imported on first use
+    (click's documented lazy loading: ``list_commands`` and ``get_command``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = LAZY_COMMANDS.get(cmd_name)
+        if target is not None and cmd_name not in self.commands:
+            module, attr = target.split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="elastic")
 def cli() -> None:
     """elastic: a fault-tolerant, elastic launcher for PyTorch distributed training."""
 
 
 cli.add_command(run_command)
-cli.add_command(plugins_group)
-cli.add_command(status_command)
 
 
 def configure_logging() -> None:

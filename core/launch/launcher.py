@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import runpy
 import sys
 import uuid
 from collections.abc import Callable
@@ -46,6 +45,8 @@ def raise_open_files_limit() -> int:
 
 def run_script_path(script: str, *args: str) -> None:
     """``--run-path``: run a script in the worker's interpreter as ``__main__``."""
+    import runpy  # in the worker only
+
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 

@@ -21,10 +21,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from elastic.core.watchdog import file_timer
-from elastic.core.watchdog.file_timer_plugin import FileTimerWatch
-from elastic.core.watchdog.health import HealthEndpoint, liveness_bound
-from elastic.core.watchdog.stall import StallDetector
-from elastic.core.watchdog.watch import WorkerWatch
 
 if TYPE_CHECKING:
     from elastic.core.interfaces.spec import WorkerSpec
@@ -45,6 +41,12 @@ def register_builtins(
     timer_on = env.get(file_timer.ENV_ENABLE) == "1"
     if not (spec.stall_timeout or spec.health_port is not None or timer_on):
         return []
+    # Imported only for a run that asks for one (most do not): ~4 ms of an agent's start.
+    from elastic.core.watchdog.file_timer_plugin import FileTimerWatch
+    from elastic.core.watchdog.health import HealthEndpoint, liveness_bound
+    from elastic.core.watchdog.stall import StallDetector
+    from elastic.core.watchdog.watch import WorkerWatch
+
     watch = WorkerWatch(
         timeout=spec.stall_timeout,
         dumps=bool(spec.stall_timeout or timer_on),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -26,7 +25,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
@@ -39,6 +37,8 @@ from elastic.core.workers.signals import Interrupted as Interrupted
 from elastic.core.workers.signals import SignalGuard as SignalGuard
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from elastic.core.interfaces.spec import WorkerSpec
 
 PR_SET_PDEATHSIG = 1
@@ -280,6 +280,8 @@ class CallableWorker:
         stderr: str = CONSOLE,
         cpus: set[int] | None = None,
     ) -> None:
+        import multiprocessing  # only Python-callable workers pay for it
+
         self.local_rank = local_rank
         ctx = multiprocessing.get_context(start_method)
         # A forkserver, not the agent, forks the child: its parent is the server.
