@@ -12,15 +12,12 @@ from pathlib import Path
 import pytest
 from elastic.testing.ports import free_port
 
-# Modules a launch that uses none of their features must not import: metadata through
-# importlib.metadata and email (plugin discovery reads the files itself), the commands
+# Modules a launch that uses none of their features must not import: the commands
 # other than `run`, the metrics sinks (the metrics plugin looks them up on first use),
 # multiprocessing (Python-callable workers only), the watchdog's built-ins (only with
 # --stall-timeout, --health-port or the file timer), the etcd and prometheus extras,
 # TLS, an HTTP server, and torch. (uuid and platform are click's own imports.)
 NOT_IMPORTED = (
-    "importlib.metadata",
-    "email",
     "elastic.cli.plugins_cmd",
     "elastic.cli.status",
     "elastic.plugins.metrics.sinks",

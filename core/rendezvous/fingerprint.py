@@ -8,10 +8,9 @@ refused at the door instead of failing minutes later inside a collective.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import sys
 from collections.abc import Iterable, Mapping
-
-from elastic.core.plugin import installed
 
 VERSION_FIELDS = ("elastic", "torch", "python")  # what `elastic status` shows per member
 FIELDS = (
@@ -27,8 +26,10 @@ FIELDS = (
 
 def installed_version(distribution: str) -> str:
     """A distribution's version from its metadata: no import, so no torch import cost."""
-    found = installed.version(distribution)
-    return "not installed" if found is None else found
+    try:
+        return md.version(distribution)
+    except md.PackageNotFoundError:
+        return "not installed"
 
 
 def file_sha256(path: str) -> str:
