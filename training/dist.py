@@ -54,11 +54,16 @@ def init_process_group(
     backend = backend or default_backend()
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
-    # Importing torch._dynamo while a process group exists keeps that group alive after
-    # destroy_process_group (torch 2.13), and the first optimizer a script creates
-    # imports it. The group is then torn down during interpreter finalization, where a
-    # gloo thread taking the GIL aborts the worker (SIGABRT, "terminate called without
-    # an active exception") after a successful run. Importing it first avoids that.
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default
+    # ``group`` when it is imported: imported while a group exists, it holds that group
+    # for good, and destroy_process_group leaves it alive (its gloo threads, rank 0's
+    # store). torch._dynamo imports it, and the first optimizer a script creates imports
+    # torch._dynamo (torch 2.13). Such a group is torn down during interpreter
+    # finalization, where a gloo thread taking the GIL aborts the worker (SIGABRT,
+    # "terminate called without an active exception") after a successful run. Imported
+    # before any group exists, the defaults are None. Dynamo rather than that one module:
+    # whatever else its import chain binds is bound before the group exists too, and a
+    # script pays that import for its first optimizer anyway.
     import torch._dynamo  # noqa: F401
 
     if "nccl" in backend:
