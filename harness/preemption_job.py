@@ -72,9 +72,11 @@ def note(event, step, **kw):
 
 ckpt_dir, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 pause = float(sys.argv[4])
+# Before the group: the first optimizer imports torch.distributed.nn.functional, which
+# would hold a group made before it past destroy_process_group (elastic/training/dist.py).
+model, _ = model_and_opt()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
-model, _ = model_and_opt()
 ckpt = os.path.join(ckpt_dir, "ckpt.pt")
 step = 0
 if os.path.exists(ckpt):

@@ -25,13 +25,6 @@ from elastic.harness.regroup_job import regroup_job
 from elastic.harness.worker_specs import SleepingWorker
 from elastic.training import control, preemption
 
-REVERTED = pytest.mark.xfail(
-    strict=False,
-    reason="known gap: the fix (done workers count as finished, waited for, never restarted) "
-    "made a requeued SLURM job's worker abort at exit (tests/test_slurm_daemons.py, 3 of 3) "
-    "and was taken back; cause not found",
-)
-
 
 @pytest.fixture
 def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlFile]:
@@ -45,7 +38,6 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlFil
     file.close()
 
 
-@REVERTED
 def test_a_done_worker_still_exiting_finished_in_the_old_round(node: ControlFile) -> None:
     # its ranks agreed the job is done; its exit (the old group's barrier) takes a while
     worker = SleepingWorker(seconds=1.5)
@@ -63,7 +55,6 @@ def test_a_done_worker_still_exiting_finished_in_the_old_round(node: ControlFile
         worker.proc.wait()
 
 
-@REVERTED
 def test_a_running_worker_that_is_not_done_has_not_finished(node: ControlFile) -> None:
     worker = SleepingWorker(seconds=30)
     try:
@@ -78,7 +69,6 @@ def test_a_running_worker_that_is_not_done_has_not_finished(node: ControlFile) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@REVERTED
 def test_workers_done_at_the_regroup_boundary_are_not_restarted_however_slow_their_exit(
     cluster_factory: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -54,11 +54,16 @@ def init_process_group(
     backend = backend or default_backend()
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
-    # Importing torch._dynamo while a process group exists keeps that group alive after
-    # destroy_process_group (torch 2.13), and the first optimizer a script creates
-    # imports it. The group is then torn down during interpreter finalization, where a
-    # gloo thread taking the GIL aborts the worker (SIGABRT, "terminate called without
-    # an active exception") after a successful run. Importing it first avoids that.
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default
+    # ``group`` when it is imported: imported while a group exists, it holds that group
+    # for good, and destroy_process_group leaves it alive (its gloo threads, rank 0's
+    # store). torch._dynamo imports it, and the first optimizer a script creates imports
+    # torch._dynamo (torch 2.13). Such a group is torn down during interpreter
+    # finalization, where a gloo thread taking the GIL aborts the worker (SIGABRT,
+    # "terminate called without an active exception") after a successful run. Imported
+    # before any group exists, the defaults are None. Dynamo rather than that one module:
+    # whatever else its import chain binds is bound before the group exists too, and a
+    # script pays that import for its first optimizer anyway.
     import torch._dynamo  # noqa: F401
 
     if "nccl" in backend:
@@ -94,7 +99,8 @@ def leave_group() -> None:
 
 
 def _release_failed_call() -> None:
-    """Drop what the exception being handled holds of the group, if any.
+    """Drop what the exception being handled, or the one the script ended with, holds of
+    the group, if any.
 
     A collective that raised (a peer died) leaves its frames on the exception's traceback,
     and torch's ``all_reduce`` frame holds the group and its work. While the exception
@@ -103,13 +109,22 @@ def _release_failed_call() -> None:
     the same collective with this rank, not with the dead one, never sees a closed
     connection and waits out the collective timeout, far past the agent's bound for a
     step boundary, and the agent restarts it. Clearing those frames' locals (frames
-    still running are left alone) frees the group with the destroy."""
+    still running are left alone) frees the group with the destroy.
+
+    At exit (``_leave_at_exit``) it is the exception that ended the script, kept in
+    ``sys.last_value`` (``sys.last_exc`` from 3.12): a done worker whose last barrier
+    failed because a peer was stopped or its agent went away. Held by it, the group
+    would be torn down during finalization, where gloo's threads abort the worker."""
     seen: set[int] = set()
-    exc = sys.exc_info()[1]
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+    for exc in (
+        sys.exc_info()[1],
+        getattr(sys, "last_exc", None),
+        getattr(sys, "last_value", None),
+    ):
+        while isinstance(exc, BaseException) and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)
+            exc = exc.__cause__ or exc.__context__
 
 
 def rejoin_group() -> str:

@@ -88,12 +88,14 @@ class InPlaceRegroup(AgentBase):
             except RendezvousError:
                 return False  # cannot tell: the bound decides
 
-        if wait_taken(
+        taken = wait_taken(
             control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
-        ):
-            if finished_untaken(control, generation, self._workers):
-                announce_finished(info.store, info.round)  # as above, one step later
-                return self._succeeded(info)
+        )
+        # Also when the bound ran out: workers done in the old round are never restarted.
+        if finished_untaken(control, generation, self._workers, self._sleep):
+            announce_finished(info.store, info.round)  # as above, one step later
+            return self._succeeded(info)
+        if taken:
             self._notify("elastic_workers_started", group=self._group)
             return info, True
         with contextlib.suppress(RendezvousError):

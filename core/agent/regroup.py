@@ -15,7 +15,8 @@ is spent. A worker that lost its group under it (a peer died mid-collective) mar
 Anything else takes the usual path: workers that did not say so (plain scripts), a
 worker that died, or one that did not take the new round within ``BOUNDARY_WAIT`` plus
 twice its longest step (stuck in a collective with a dead peer) are stopped and started
-again in the new round. Never imports torch.
+again in the new round; never one whose ranks agreed training is done, however long its
+exit takes (``finished_untaken``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -137,13 +138,32 @@ def finished(workers: Sequence[WorkerProcess], sleep: Callable[[float], None]) -
 
 
 def finished_untaken(
-    control: ControlFile, generation: int, workers: Sequence[WorkerProcess]
+    control: ControlFile,
+    generation: int,
+    workers: Sequence[WorkerProcess],
+    sleep: Callable[[float], None],
 ) -> bool:
-    """Whether the workers all exited 0 without taking round ``generation``: the step
-    boundary meant to regroup them was their last (``elastic.train`` returns when the
-    ranks agree they are done, before it regroups), so they finished in the old round."""
+    """Whether the workers all finished training without taking round ``generation``: the
+    step boundary meant to regroup them was their last (``elastic.train`` returns when the
+    ranks agree they are done, before it regroups), so they finished in the old round.
+
+    A worker finished once it exited 0, or once it marked itself done (its ranks agreed,
+    ``DONE``) and is on its way out: the old group's last barrier and its teardown can
+    outlast the bound for taking a round on a loaded machine, and restarting it then
+    would start a fresh worker at step 0 that trains alone with the round's other new
+    workers. Those are given ``BOUNDARY_WAIT`` to exit; the caller stops what is left. How
+    a done worker exits does not matter: nothing runs again after done (as in the
+    monitor's ``after_done``)."""
     taken = control.joined(generation)
-    return bool(workers) and all(w.poll() == 0 and w.local_rank not in taken for w in workers)
+    done = control.done()
+    if not workers or any(w.local_rank in taken for w in workers):
+        return False
+    if not all(w.poll() == 0 or w.local_rank in done for w in workers):
+        return False
+    deadline = time.monotonic() + BOUNDARY_WAIT
+    while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
+        sleep(_POLL)
+    return True
 
 
 def announce_finished(store: Store, round_: int) -> None:
@@ -187,8 +207,8 @@ def wait_taken(
     replaced: Callable[[], bool] = lambda: False,
     patient: bool = False,
 ) -> bool:
-    """Until every worker took round ``generation`` or ended (the monitor then judges how)
-    (True), or the bound ran out (False).
+    """Until every worker took round ``generation``, ended or marked itself done (the
+    caller and the monitor then judge how) (True), or the bound ran out (False).
 
     ``replaced()``: whether another node gave up on its workers in this round and is
     restarting them. Ours may be waiting only in a collective with one of those, which
@@ -200,7 +220,7 @@ def wait_taken(
     deadline = time.monotonic() + BOUNDARY_WAIT + 2 * control.longest_step()
     extended = False
     while True:
-        taken = control.joined(generation)
+        taken = control.joined(generation) | control.done()  # done: they will not take it
         if all(w.local_rank in taken or w.poll() is not None for w in workers):
             return True
         now = time.monotonic()
