@@ -26,6 +26,21 @@ with needs_extra("the etcd-v3 rendezvous backend"):
 DEFAULT_PREFIX = "/elastic/rdzv-v3"
 
 
+def member_timing(heartbeat_timeout: float) -> tuple[float, float]:
+    """(``max_attempt``, ``hedge_after``) of the monitor thread's and the keep-alives'
+    own stores (``store_from_params``); the job's store hedges as they do (a member that
+    hangs does not hold up a round either) but gives a member ``read_timeout``.
+
+    A node's lease runs out a second before heartbeat_timeout (4 s of 5 by default), so
+    finding another member must take well under that when one of three is lost, whether
+    it refuses (killed: at once), hangs (its link cut: no answer at all) or holds a write
+    it forwarded to a leader that just died (etcd keeps it ~6 s, though a new leader is
+    elected within a second). So an idempotent request unanswered after a tenth of
+    heartbeat_timeout (0.5 s) is also sent to the other members (``client``: hedging),
+    and one request gives up on a member after a third of it (at least 1 s)."""
+    return max(1.0, heartbeat_timeout / 3), heartbeat_timeout / 10
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``elastic.rendezvous`` entry point: validate the config, reach etcd."""
     from elastic.plugins.rdzv_etcd_v3.client import parse_endpoints
@@ -37,13 +52,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # The lease only cleans up after a dead node; staleness of the heartbeat value is what
     # finds it within heartbeat_timeout, so a slow keep-alive is never mistaken for death.
     ttl = 2 * settings.heartbeat_timeout
-    # The monitor thread's and the keep-alives' own stores (``lease.py``). etcd holds a
-    # write proposed just before its leader died until its own request timeout (~6 s),
-    # though the new leader is elected in about a second: a tick waiting that long would
-    # fence every healthy node when one etcd member of three is lost. So each of their
-    # requests gives up on a member after a third of heartbeat_timeout (at least 1 s) and
-    # is retried on the next one.
-    attempt = max(1.0, settings.heartbeat_timeout / 3)
+    attempt, hedge = member_timing(settings.heartbeat_timeout)
 
     def reach(job_store: CoordinationStore) -> str:
         job_store.check(["rdzv/round"])  # one line now if etcd cannot be reached
@@ -54,7 +63,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         params,
         settings,
         "etcd-v3",
-        lambda: store_from_params(params, prefix, ttl),
+        lambda: store_from_params(params, prefix, ttl, hedge_after=hedge),
         reach,
-        lambda: store_from_params(params, prefix, ttl, attempt),
+        lambda: store_from_params(params, prefix, ttl, attempt, hedge),
     )
