@@ -11,7 +11,8 @@ to a follower, cut off: the follower holds the write it forwarded to the dead le
 list is the dead one.
 
 Real agents on simulated hosts (``elastic.harness.multihost``), gloo workers all-reducing,
-etcd 3.4 members on hosts of their own; default liveness settings (heartbeat every 1 s,
+etcd 3.4 members on hosts of their own, for each etcd backend (``etcd-v3``; ``etcd-v2``
+and ``etcd`` over the v2 API); default liveness settings (heartbeat every 1 s,
 timeout 5 s). Each case checks: no node says it fenced, no worker was stopped or started
 again (the same pids), the workers kept finishing collectives after the fault, and every
 agent exits 0 once the job's stop file appears. ``test_a_keep_alive_finds_another_member``
@@ -76,17 +77,18 @@ def make_leader(members: list[Host], new: Host) -> None:
 
 
 class Job:
-    """A 3-node etcd-v3 job on hosts 0-2 of a 6-host cluster, etcd on hosts 3-5."""
+    """A 3-node job of ``backend`` on hosts 0-2 of a 6-host cluster, etcd on hosts 3-5
+    (serving the v2 API too for ``etcd-v2`` and ``etcd``)."""
 
-    def __init__(self, cluster: Cluster, workdir: Path) -> None:
+    def __init__(self, cluster: Cluster, workdir: Path, backend: str) -> None:
         self.cluster = cluster
         self.nodes = cluster.hosts[:NODES]
         self.members = cluster.hosts[NODES:]
-        start_etcd(self.members, workdir)
+        start_etcd(self.members, workdir, v2=backend != "etcd-v3")
         self.job = FaultJob(
             cluster,
             workdir / "job",
-            "etcd-v3",
+            backend,
             etcd_endpoint(self.members),  # the first member is every agent's first choice
             nnodes=f"2:{NODES}",
             conf={"last_call_timeout": 1},
@@ -133,9 +135,9 @@ class Job:
             assert code == 0, f"{host.name} exited {code}\n{self.job.texts()}"
 
 
-@pytest.fixture
-def job(cluster_factory: Make, tmp_path: Path) -> Iterator[Job]:
-    yield Job(cluster_factory(2 * NODES), tmp_path)
+@pytest.fixture(params=["etcd-v3", "etcd-v2", "etcd"])
+def job(request: pytest.FixtureRequest, cluster_factory: Make, tmp_path: Path) -> Iterator[Job]:
+    yield Job(cluster_factory(2 * NODES), tmp_path, request.param)
 
 
 @pytest.mark.timeout(300)
@@ -167,18 +169,29 @@ def test_the_leader_is_cut_off_while_the_agents_talk_to_a_follower(job: Job) -> 
     job.finish()
 
 
-# Run on a host: the etcd-v3 backend's keep-alive store (as ``backend.create_handler``
-# makes it for ``timeout``, heartbeat_timeout), a heartbeat every 0.25 s for ``seconds``;
-# prints each one's send time (s from the start) and how long its answer took.
+# Run on a host: a backend's keep-alive store (as its ``create_handler`` makes it for
+# ``timeout``, heartbeat_timeout), a heartbeat every 0.25 s for ``seconds``; prints each
+# one's send time (s from the start) and how long its answer took.
 KEEPALIVES = """\
 import json, sys, time
 from elastic.core.interfaces.rendezvous import RendezvousParameters
-from elastic.plugins.rdzv_etcd_v3.backend import member_timing
-from elastic.plugins.rdzv_etcd_v3.store import store_from_params
+from elastic.core.rendezvous.hedging import member_timing
 
-endpoint, seconds, timeout = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-params = RendezvousParameters("etcd-v3", endpoint, "probe", 1, 1)
-store = store_from_params(params, "/probe/", 2 * timeout, *member_timing(timeout))
+backend, endpoint, seconds, timeout = sys.argv[1:3] + [float(a) for a in sys.argv[3:5]]
+params = RendezvousParameters(backend, endpoint, "probe", 1, 1)
+attempt, hedge = member_timing(timeout)
+if backend == "etcd-v3":
+    from elastic.plugins.rdzv_etcd_v3.store import store_from_params
+
+    store = store_from_params(params, "/probe/", 2 * timeout, attempt, hedge)
+else:
+    from elastic.plugins.rdzv_etcd.client import client_from_params
+    from elastic.plugins.rdzv_etcd.store import EtcdStore
+
+    client = client_from_params(
+        params, ca_key="ca", cert_key="cert", key_key="key", max_attempt=attempt, hedge_after=hedge
+    )
+    store = EtcdStore(client, "/probe", heartbeat_ttl=int(2 * timeout))
 start = time.monotonic()
 while time.monotonic() - start < seconds:
     sent = time.monotonic()
@@ -190,18 +203,23 @@ store.close()
 
 
 @pytest.mark.timeout(120)
-def test_a_keep_alive_finds_another_member(cluster_factory: Make, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["etcd-v3", "etcd-v2"])
+def test_a_keep_alive_finds_another_member(
+    cluster_factory: Make, tmp_path: Path, backend: str
+) -> None:
     """The worst loss for a keep-alive: it goes to a follower (member 0) whose leader
-    (member 1, next in the list) is cut off. Every keep-alive is answered well within
-    the lease: the slowest is the switch."""
+    (member 1, next in the list) is cut off; until the followers notice, each holds what
+    it is sent for the dead leader. Every keep-alive is answered well within the lease:
+    the slowest is the switch. (``etcd`` is ``etcd-v2``'s store under another name.)"""
     cluster = cluster_factory(4)
     client, members = cluster.hosts[0], cluster.hosts[1:]
-    start_etcd(members, tmp_path)
+    start_etcd(members, tmp_path, v2=backend == "etcd-v2")
     make_leader(members, members[1])
     script = tmp_path / "keepalives.py"
     script.write_text(KEEPALIVES)
+    endpoint = etcd_endpoint(members)
     proc = client.popen(
-        [sys.executable, str(script), etcd_endpoint(members), "10", str(HEARTBEAT_TIMEOUT)],
+        [sys.executable, str(script), backend, endpoint, "10", str(HEARTBEAT_TIMEOUT)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -215,4 +233,4 @@ def test_a_keep_alive_finds_another_member(cluster_factory: Make, tmp_path: Path
     gaps = [b[0] - a[0] for a, b in zip(beats, beats[1:], strict=False)]
     assert len(beats) > 20 and max(gaps) < LEASE / 2, beats
     assert slowest < LEASE / 2, f"a keep-alive took {slowest:.2f}s (lease {LEASE:g}s)"
-    print(f"etcd-v3 keep-alive past a cut-off leader: slowest answer {slowest:.2f}s")
+    print(f"{backend} keep-alive past a cut-off leader: slowest answer {slowest:.2f}s")

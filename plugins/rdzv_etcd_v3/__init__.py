@@ -13,8 +13,7 @@ Exports (imported on first use, so importing this package costs nothing):
 
 Owns ``backend`` (``create_handler``: the shared round over this store), ``store``
 (``EtcdV3Store``), ``client`` (the JSON gateway over urllib3, across members), ``lease``
-(the store's lease and its keep-alive thread), ``hedging`` (a request sent on to the
-other members when one does not answer in time) and ``replies`` (what the gateway sends
+(the store's lease and its keep-alive thread) and ``replies`` (what the gateway sends
 back, checked). Imports core's ``rendezvous``, ``plugin`` (the ``etcd`` extra's line) and
 ``interfaces``, and urllib3; may import core's public rooms only (contract
 ``plugins-public-core``), no torch.

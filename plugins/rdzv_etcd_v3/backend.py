@@ -15,6 +15,7 @@ from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.plugin.extras import needs_extra
 from elastic.core.rendezvous import net
+from elastic.core.rendezvous.hedging import member_timing
 from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
 
@@ -24,21 +25,6 @@ with needs_extra("the etcd-v3 rendezvous backend"):
     import urllib3  # noqa: F401
 
 DEFAULT_PREFIX = "/elastic/rdzv-v3"
-
-
-def member_timing(heartbeat_timeout: float) -> tuple[float, float]:
-    """(``max_attempt``, ``hedge_after``) of the monitor thread's and the keep-alives'
-    own stores (``store_from_params``); the job's store hedges as they do (a member that
-    hangs does not hold up a round either) but gives a member ``read_timeout``.
-
-    A node's lease runs out a second before heartbeat_timeout (4 s of 5 by default), so
-    finding another member must take well under that when one of three is lost, whether
-    it refuses (killed: at once), hangs (its link cut: no answer at all) or holds a write
-    it forwarded to a leader that just died (etcd keeps it ~6 s, though a new leader is
-    elected within a second). So an idempotent request unanswered after a tenth of
-    heartbeat_timeout (0.5 s) is also sent to the other members (``client``: hedging),
-    and one request gives up on a member after a third of it (at least 1 s)."""
-    return max(1.0, heartbeat_timeout / 3), heartbeat_timeout / 10
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -52,6 +38,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # The lease only cleans up after a dead node; staleness of the heartbeat value is what
     # finds it within heartbeat_timeout, so a slow keep-alive is never mistaken for death.
     ttl = 2 * settings.heartbeat_timeout
+    # The monitor thread's and the keep-alives' connections give a member ``attempt`` s;
+    # all three hedge (a member that hangs holds up neither a lease nor a round).
     attempt, hedge = member_timing(settings.heartbeat_timeout)
 
     def reach(job_store: CoordinationStore) -> str:

@@ -10,15 +10,17 @@ A write that is not idempotent (``idempotent=False``) is not retried once it may
 reached the server: a dropped response leaves its outcome unknown, so ``call`` raises
 ``OutcomeUnknown`` and the caller finds out what happened (see ``EtcdV3Store.add``).
 
-Hedging (``V3Config.hedge_after``, ``hedging``): an idempotent request unanswered after
-that long is also sent to every other member, and the first answer wins.
+Hedging (``V3Config.hedge_after``; the rule is core's ``rendezvous.hedging``): an
+idempotent request unanswered after that long is also sent to every other member, and
+the first answer wins.
 
 Authentication: with a username, ``call`` fetches a token from ``/v3/auth/authenticate``
 and sends it in the ``Authorization`` header; a token the server no longer knows (expired,
 or minted by a member that restarted) is replaced once and the request retried.
 
 Owns the requests, retries, member rotation, authentication and watches. May import
-``replies`` (the replies' shape), ``hedging`` and core's ``interfaces`` and ``plugin``.
+``replies`` (the replies' shape) and core's ``interfaces``, ``plugin`` and
+``rendezvous.hedging``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.plugin.extras import needs_extra
-from elastic.plugins.rdzv_etcd_v3 import hedging
+from elastic.core.rendezvous import hedging
 from elastic.plugins.rdzv_etcd_v3.replies import b64, reading_reply, reply_dict
 
 with needs_extra("the etcd-v3 rendezvous backend"):
@@ -199,6 +201,7 @@ class EtcdV3Client:
             self.config.hedge_after,
             self._hedges,
             _Transient,
+            timeout,
         )
         with self._lock:
             self._current = index  # it answers: ask it first from now on
