@@ -117,7 +117,7 @@ class V3Config:
     password: str | None = None
     read_timeout: float = 10.0  # one request; a watch is cut into requests this long
     retry_timeout: float = 30.0  # how long transient failures are retried
-    hedge_after: float | None = None  # also ask the next member after this long (module)
+    hedge_after: float | None = None  # also ask the other members after this long (module)
 
     def __post_init__(self) -> None:
         self.protocol = (self.protocol or "http").strip().lower()
