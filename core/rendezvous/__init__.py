@@ -1,7 +1,8 @@
 """Rendezvous. Owns picking a backend by name (``registry``), the standalone one (``local``),
 addresses and ports (``net``), what nodes must share (``fingerprint``), the job token and
-the etcd password as an agent reads them (``secrets``) and ``round``, the one algorithm
-every dynamic backend runs over a small coordination store.
+the etcd password as an agent reads them (``secrets``), asking a store of several
+members within a lease (``hedging``) and ``round``, the one algorithm every dynamic
+backend runs over a small coordination store.
 
 The interface itself lives in ``elastic.core.interfaces.rendezvous``; it is re-exported
 here because ``from elastic.core.rendezvous import RendezvousHandler`` is the path plugin

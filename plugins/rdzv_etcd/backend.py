@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.rendezvous import net
+from elastic.core.rendezvous.hedging import member_timing
 from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
 from elastic.plugins.rdzv_etcd.client import CONNECTION_KEYS, check_reachable, client_from_params
@@ -54,8 +55,16 @@ class V2Backend:
         ttl = math.ceil(2 * settings.heartbeat_timeout)
         ca, cert, key = self.tls_keys
 
-        def store() -> EtcdStore:
-            client = client_from_params(params, ca_key=ca, cert_key=cert, key_key=key)
+        # The monitor thread's and the keep-alives' connections give a member ``attempt``
+        # s; all three hedge their reads and heartbeats (a member that hangs holds up
+        # neither a lease nor a round: ``hedging.member_timing``).
+        attempt, hedge = member_timing(settings.heartbeat_timeout)
+
+        def store(max_attempt: float | None = None) -> EtcdStore:
+            client = client_from_params(
+                params, ca_key=ca, cert_key=cert, key_key=key,
+                max_attempt=max_attempt, hedge_after=hedge,
+            )  # fmt: skip
             return EtcdStore(client, directory, heartbeat_ttl=ttl)
 
         def reach(job_store: EtcdStore) -> str:
@@ -63,7 +72,7 @@ class V2Backend:
             host, port = job_store.client.members[0]
             return params.local_addr or net.route_address(host, port)
 
-        return open_round_handler(params, settings, self.name, store, reach)
+        return open_round_handler(params, settings, self.name, store, reach, lambda: store(attempt))
 
 
 __all__ = ["V2Backend"]

@@ -6,6 +6,9 @@ client is constructed, logs tracebacks at ERROR level and gives up after one pas
 member list. We instead keep one plain client per configured endpoint, retry transient
 failures (a member restarting, a leader election, a dropped connection) with backoff while
 rotating over the members, and turn whatever is left into one-line rendezvous errors.
+A call marked ``hedge`` (idempotent: a read, a plain write) is also sent to the other
+members when unanswered after ``hedge_after`` (core's ``rendezvous.hedging``): a member
+that hangs (its link cut) or holds a write for a leader that died costs no more.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousParameters,
 )
 from elastic.core.plugin.extras import needs_extra
+from elastic.core.rendezvous import hedging
 from elastic.core.rendezvous.secrets import read_password
 
 with needs_extra("the etcd and etcd-v2 rendezvous backends"):
@@ -57,6 +61,14 @@ MALFORMED: tuple[type[BaseException], ...] = (
 
 class EtcdAuthError(RendezvousConnectionError):
     """etcd refused our credentials or our TLS setup; retrying cannot help."""
+
+
+class _Unanswered(Exception):
+    """A member failed a hedged call in a way another member may not (``error``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def parse_endpoints(endpoint: str, default_port: int = DEFAULT_PORT) -> list[tuple[str, int]]:
@@ -107,6 +119,7 @@ class ClientConfig:
     password: str | None = None
     read_timeout: float = 10.0  # one HTTP request (watches pass their own)
     retry_timeout: float = 30.0  # how long transient failures are retried
+    hedge_after: float | None = None  # a ``hedge`` call also asks the others after this
 
     def __post_init__(self) -> None:
         self.protocol = (self.protocol or "http").strip().lower()
@@ -144,6 +157,7 @@ class EtcdClient:
         self._clients = [self._make(host, port) for host, port in self.members]
         self._current = 0
         self._lock = threading.Lock()
+        self._hedges = hedging.Budget()
 
     def _make(self, host: str, port: int) -> etcd.Client:
         cfg = self.config
@@ -192,8 +206,16 @@ class EtcdClient:
             if self._current == failed:
                 self._current = (failed + 1) % len(self._clients)
 
-    def call(self, op: str, *args: Any, retry_for: float | None = None, **kwargs: Any) -> Any:
-        """``client.<op>(*args, **kwargs)``, retrying transient failures.
+    def call(
+        self,
+        op: str,
+        *args: Any,
+        retry_for: float | None = None,
+        hedge: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """``client.<op>(*args, **kwargs)``, retrying transient failures; ``hedge``: the
+        call is idempotent and may go to several members at once (``hedge_after``).
 
         Raises the python-etcd error for logical outcomes (key not found, compare failed),
         ``EtcdAuthError`` for credential/TLS problems and ``RendezvousConnectionError``
@@ -205,6 +227,8 @@ class EtcdClient:
         while True:
             index, client = self._client()
             try:
+                if hedge and self.config.hedge_after is not None and len(self._clients) > 1:
+                    return self._hedged(index, op, args, kwargs)
                 return getattr(client, op)(*args, **kwargs)
             except LOGICAL_ERRORS:
                 raise
@@ -229,6 +253,33 @@ class EtcdClient:
                     ) from None
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, 1.0)
+
+    def _hedged(self, first: int, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``op`` on the members from ``first`` on (``hedging.first_answer``); when every
+        one failed, the last one's error, for ``call`` to handle."""
+
+        def ask(index: int) -> Any:
+            try:
+                return getattr(self._clients[index], op)(*args, **kwargs)
+            except (*LOGICAL_ERRORS, etcd.EtcdInsufficientPermissions):
+                raise
+            except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError, *MALFORMED) as exc:
+                raise _Unanswered(exc) from exc
+
+        order = [(first + k) % len(self._clients) for k in range(len(self._clients))]
+        assert self.config.hedge_after is not None
+        try:
+            index, answer = hedging.first_answer(
+                order, ask, self.config.hedge_after, self._hedges, _Unanswered,
+                self.config.read_timeout,
+            )  # fmt: skip
+        except hedging.AllFailed as failed:
+            last = failed.failures[-1][1]
+            assert isinstance(last, _Unanswered)
+            raise last.error from None
+        with self._lock:
+            self._current = index  # it answers: ask it first from now on
+        return answer
 
     def watch(
         self, key: str, index: int | None, timeout: float, recursive: bool = False
@@ -259,10 +310,18 @@ def check_reachable(client: EtcdClient) -> None:
 
 
 def client_from_params(
-    params: RendezvousParameters, *, ca_key: str, cert_key: str, key_key: str
+    params: RendezvousParameters,
+    *,
+    ca_key: str,
+    cert_key: str,
+    key_key: str,
+    max_attempt: float | None = None,
+    hedge_after: float | None = None,
 ) -> EtcdClient:
     """Build the client from ``--rdzv-endpoint``/``--rdzv-conf`` (TLS key names differ
-    between the two backends, after torchrun)."""
+    between the two backends, after torchrun). ``max_attempt`` caps ``read_timeout``
+    (one request on one member); ``hedge_after``: ``ClientConfig``'s."""
+    read_timeout = params.get_as_float("read_timeout", 10.0) or 10.0
     config = ClientConfig(
         endpoint=params.endpoint or f"127.0.0.1:{DEFAULT_PORT}",
         protocol=params.get("protocol", "http") or "http",
@@ -271,8 +330,9 @@ def client_from_params(
         key=params.get(key_key),
         username=params.get("username"),
         password=read_password(params),  # or password_file, or the environment
-        read_timeout=params.get_as_float("read_timeout", 10.0) or 10.0,
+        read_timeout=min(read_timeout, max_attempt or read_timeout),
         retry_timeout=params.get_as_float("retry_timeout", 30.0) or 30.0,
+        hedge_after=hedge_after,
     )
     return EtcdClient(config)
 

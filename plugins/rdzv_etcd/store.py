@@ -97,7 +97,8 @@ class EtcdStore:
     def heartbeat(self, key: str, value: bytes | str) -> None:
         # A TTL well past the liveness timeout: a dead node's key goes away by itself,
         # but a slow heartbeat thread is judged by staleness, not by a vanished key.
-        self.client.call("write", self._path(key), _enc_value(value), ttl=self.heartbeat_ttl)
+        path, ttl = self._path(key), self.heartbeat_ttl
+        self.client.call("write", path, _enc_value(value), ttl=ttl, hedge=True)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """v2 has no multi-key read: one read per key; a missing key reads as ``b""``."""
@@ -105,7 +106,7 @@ class EtcdStore:
 
     def _read_or_empty(self, key: str) -> bytes:
         try:
-            return _dec_value(self.client.call("read", self._path(key)).value)
+            return _dec_value(self.client.call("read", self._path(key), hedge=True).value)
         except etcd.EtcdKeyNotFound:
             return b""
 
@@ -192,7 +193,7 @@ class EtcdStore:
     def check(self, keys: Sequence[str]) -> bool:
         for key in keys:
             try:
-                self.client.call("read", self._path(key))
+                self.client.call("read", self._path(key), hedge=True)
             except etcd.EtcdKeyNotFound:
                 return False
         return True

@@ -15,6 +15,7 @@ from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousHandler, RendezvousParameters
 from elastic.core.plugin.extras import needs_extra
 from elastic.core.rendezvous import net
+from elastic.core.rendezvous.hedging import member_timing
 from elastic.core.rendezvous.round.handler import open_round_handler
 from elastic.core.rendezvous.round.settings import parse_round_settings
 
@@ -37,13 +38,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # The lease only cleans up after a dead node; staleness of the heartbeat value is what
     # finds it within heartbeat_timeout, so a slow keep-alive is never mistaken for death.
     ttl = 2 * settings.heartbeat_timeout
-    # The monitor thread's and the keep-alives' own stores (``lease.py``). etcd holds a
-    # write proposed just before its leader died until its own request timeout (~6 s),
-    # though the new leader is elected in about a second: a tick waiting that long would
-    # fence every healthy node when one etcd member of three is lost. So each of their
-    # requests gives up on a member after a third of heartbeat_timeout (at least 1 s) and
-    # is retried on the next one.
-    attempt = max(1.0, settings.heartbeat_timeout / 3)
+    # The monitor thread's and the keep-alives' connections give a member ``attempt`` s;
+    # all three hedge (a member that hangs holds up neither a lease nor a round).
+    attempt, hedge = member_timing(settings.heartbeat_timeout)
 
     def reach(job_store: CoordinationStore) -> str:
         job_store.check(["rdzv/round"])  # one line now if etcd cannot be reached
@@ -54,7 +51,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         params,
         settings,
         "etcd-v3",
-        lambda: store_from_params(params, prefix, ttl),
+        lambda: store_from_params(params, prefix, ttl, hedge_after=hedge),
         reach,
-        lambda: store_from_params(params, prefix, ttl, attempt),
+        lambda: store_from_params(params, prefix, ttl, attempt, hedge),
     )

@@ -10,12 +10,17 @@ A write that is not idempotent (``idempotent=False``) is not retried once it may
 reached the server: a dropped response leaves its outcome unknown, so ``call`` raises
 ``OutcomeUnknown`` and the caller finds out what happened (see ``EtcdV3Store.add``).
 
+Hedging (``V3Config.hedge_after``; the rule is core's ``rendezvous.hedging``): an
+idempotent request unanswered after that long is also sent to every other member, and
+the first answer wins.
+
 Authentication: with a username, ``call`` fetches a token from ``/v3/auth/authenticate``
 and sends it in the ``Authorization`` header; a token the server no longer knows (expired,
 or minted by a member that restarted) is replaced once and the request retried.
 
 Owns the requests, retries, member rotation, authentication and watches. May import
-``replies`` (the replies' shape) and core's ``interfaces`` and ``plugin``.
+``replies`` (the replies' shape) and core's ``interfaces``, ``plugin`` and
+``rendezvous.hedging``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStoreGoneError,
 )
 from elastic.core.plugin.extras import needs_extra
+from elastic.core.rendezvous import hedging
 from elastic.plugins.rdzv_etcd_v3.replies import b64, reading_reply, reply_dict
 
 with needs_extra("the etcd-v3 rendezvous backend"):
@@ -111,6 +117,7 @@ class V3Config:
     password: str | None = None
     read_timeout: float = 10.0  # one request; a watch is cut into requests this long
     retry_timeout: float = 30.0  # how long transient failures are retried
+    hedge_after: float | None = None  # also ask the other members after this long (module)
 
     def __post_init__(self) -> None:
         self.protocol = (self.protocol or "http").strip().lower()
@@ -120,6 +127,8 @@ class V3Config:
             )
         if self.read_timeout <= 0 or self.retry_timeout <= 0:
             raise RendezvousConfigError("etcd read_timeout and retry_timeout must be positive")
+        if self.hedge_after is not None and self.hedge_after <= 0:
+            raise RendezvousConfigError("etcd hedge_after must be positive")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -156,18 +165,47 @@ class EtcdV3Client:
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
+        self._hedges = hedging.Budget()
 
     def _member(self) -> tuple[int, str]:
         with self._lock:
             index = self._current
+        return index, self._base(index)
+
+    def _base(self, index: int) -> str:
         host, port = self.members[index]
         host = f"[{host}]" if ":" in host else host
-        return index, f"{self.config.protocol}://{host}:{port}"
+        return f"{self.config.protocol}://{host}:{port}"
 
     def _rotate(self, failed: int) -> None:
         with self._lock:
             if self._current == failed:
                 self._current = (failed + 1) % len(self.members)
+
+    def _answer(
+        self, path: str, body: dict[str, Any], token: str | None, timeout: float, hedge: bool
+    ) -> Any:
+        """One attempt: the current member's answer or, with ``hedge``, the first of the
+        members' (``hedging.first_answer``). Raises ``hedging.AllFailed`` when every
+        member asked failed transiently."""
+        first, base = self._member()
+        if not hedge or len(self.members) == 1:
+            try:
+                return self._post(base, path, body, token, timeout)
+            except _Transient as exc:
+                raise hedging.AllFailed([(first, exc)]) from None
+        assert self.config.hedge_after is not None
+        index, answer = hedging.first_answer(
+            [(first + k) % len(self.members) for k in range(len(self.members))],
+            lambda i: self._post(self._base(i), path, body, token, timeout),
+            self.config.hedge_after,
+            self._hedges,
+            _Transient,
+            timeout,
+        )
+        with self._lock:
+            self._current = index  # it answers: ask it first from now on
+        return answer
 
     def _timeout(self, read: float) -> urllib3.Timeout:
         return urllib3.Timeout(connect=min(CONNECT_TIMEOUT, read), read=read)
@@ -271,10 +309,10 @@ class EtcdV3Client:
         streaks: dict[int, tuple[str, int]] = {}  # member -> its last failure kind, in a row
         token = self._authenticate(None) if auth else None
         reauthenticated = False
+        hedge = idempotent and self.config.hedge_after is not None
         while True:
-            index, base = self._member()
             try:
-                return self._post(base, path, body, token, attempt)
+                return self._answer(path, body, token, attempt, hedge)
             except _TokenRejected as exc:
                 if not auth or not self.config.username or reauthenticated:
                     raise EtcdV3AuthError(
@@ -283,15 +321,19 @@ class EtcdV3Client:
                     ) from None
                 token, reauthenticated = self._authenticate(token), True
                 continue
-            except _Transient as exc:
-                self._rotate(index)
-                kind, times = streaks.get(index, (exc.kind, 0))
-                streaks[index] = (exc.kind, times + 1 if kind == exc.kind else 1)
+            except hedging.AllFailed as failed:
+                for index, exc in failed.failures:
+                    assert isinstance(exc, _Transient)
+                    self._rotate(index)
+                    kind, times = streaks.get(index, (exc.kind, 0))
+                    streaks[index] = (exc.kind, times + 1 if kind == exc.kind else 1)
+                    tried += 1
                 if self._every_member(streaks, "tls-dropped", 2):
                     raise EtcdV3AuthError(
                         f"etcd at {self.url} closed every TLS handshake: does it require a "
                         "client certificate? (--rdzv-conf ssl_cert/ssl_cert_key)"
                     ) from None
+                exc = failed.failures[-1][1]
                 if exc.sent and not idempotent:
                     raise OutcomeUnknown(str(exc)) from None
                 remaining = deadline - time.monotonic()
@@ -301,9 +343,9 @@ class EtcdV3Client:
                     raise error(
                         f"cannot reach etcd at {self.url} (retried for {limit:g}s): {exc}"
                     ) from None
-                tried += 1
                 # Another member may answer at once; back off only after trying them all.
-                if tried % len(self.members) == 0:
+                if tried >= len(self.members):
+                    tried -= len(self.members)
                     time.sleep(min(delay, remaining))
                     delay = min(delay * 2, 1.0)
 

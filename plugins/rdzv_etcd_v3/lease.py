@@ -18,6 +18,8 @@ from elastic.plugins.rdzv_etcd_v3.replies import reading_reply, reply_dict
 
 log = logging.getLogger(__name__)
 
+RETRY_PAUSE = 0.2  # s between a failed keep-alive and the next try
+
 
 class Lease:
     """This connection's lease: granted lazily, kept alive from a daemon thread."""
@@ -62,15 +64,18 @@ class Lease:
 
     def _keep(self) -> None:
         failing = False
-        while not self._stop.wait(self.granted_ttl / 3):
+        while not self._stop.wait(self._pause(failing)):
             with self._lock:
                 lease = self._id
             if lease is None:
                 continue
             beat = self.granted_ttl / 3
-            try:  # a member that does not answer within a beat is skipped, not waited for
+            # Two tries on a member within a beat: one that does not answer (its link cut)
+            # is left for the next after half a beat, not waited for.
+            attempt = min(self._client.config.read_timeout, beat / 2)
+            try:
                 reply = self._client.call(
-                    "lease/keepalive", {"ID": str(lease)}, retry_for=beat, timeout=beat
+                    "lease/keepalive", {"ID": str(lease)}, retry_for=beat, timeout=attempt
                 )
                 with reading_reply(self._client.url, "lease/keepalive"):  # no TTL: no lease
                     expired = int(reply_dict(reply, "result").get("TTL", 0)) <= 0
@@ -87,6 +92,12 @@ class Lease:
                     self.replace(lease)
                 except RendezvousError as exc:  # the next operation grants instead
                     log.warning("could not grant a new etcd lease: %s", exc)
+
+    def _pause(self, failing: bool) -> float:
+        """Seconds before the next keep-alive: a third of the TTL; after one that failed
+        (it already took a beat, its retries included), a short pause: waiting a whole
+        beat more would leave the lease a single try before it expires."""
+        return min(RETRY_PAUSE, self.granted_ttl / 3) if failing else self.granted_ttl / 3
 
     def close(self) -> None:
         self._stop.set()

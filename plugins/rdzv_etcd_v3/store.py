@@ -345,12 +345,17 @@ def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
 
 
 def store_from_params(
-    params: RendezvousParameters, prefix: str, lease_ttl: float, max_attempt: float | None = None
+    params: RendezvousParameters,
+    prefix: str,
+    lease_ttl: float,
+    max_attempt: float | None = None,
+    hedge_after: float | None = None,
 ) -> EtcdV3Store:
     """A store for ``--rdzv-endpoint h1:2379,h2:2379`` and the ``CONNECTION_KEYS`` of
     ``--rdzv-conf`` (``https://`` in the endpoint implies ``protocol=https``). Unknown
     keys are the caller's to reject. ``max_attempt`` caps ``read_timeout``: how long one
-    request may wait on one member before it is retried on the next."""
+    request may wait on one member before it is retried on the next; ``hedge_after``:
+    ``V3Config``'s."""
     endpoint = params.endpoint or f"127.0.0.1:{DEFAULT_PORT}"
     config = V3Config(
         endpoint=endpoint,
@@ -362,5 +367,6 @@ def store_from_params(
         password=read_password(params),  # or password_file, or the environment
         read_timeout=min(_seconds(params, "read_timeout", 10.0), max_attempt or math.inf),
         retry_timeout=_seconds(params, "retry_timeout", 30.0),
+        hedge_after=hedge_after,
     )
     return EtcdV3Store(config, prefix, lease_ttl=lease_ttl)
