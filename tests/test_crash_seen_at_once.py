@@ -165,7 +165,8 @@ def test_a_kill_while_the_others_regroup_is_seen_at_once(
         stat = Path(f"/proc/{first_round()[group_rank]}/stat").read_text()
         return next(a for a in four if a.pid == int(stat.rsplit(")", 1)[1].split()[1]))
 
-    leaving, crashing = agent_of(3), agent_of(2)  # never rank 0 (nor c10d's store host)
+    # Never rank 0, nor (on c10d) agent 0, the store's host: it may join last and be any rank.
+    leaving, crashing = [agent_of(r) for r in (3, 2, 1) if agent_of(r) is not four[0]][:2]
     os.kill(leaving.pid, signal.SIGTERM)
     time.sleep(0.5)
     os.killpg(crashing.pid, signal.SIGKILL)
