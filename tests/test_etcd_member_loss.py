@@ -4,18 +4,18 @@ three etcd members lost", ``docs/architecture.md``).
 A user runs etcd as three members so that the loss of one costs nothing: the client must
 find another member well within the lease (``heartbeat_timeout`` less a second: 4 s by
 default) or every node fences. The member lost is the one every agent talks to (the first
-of ``--rdzv-endpoint``), killed (its host refuses connections at once) or cut off (its
-link down: no answer at all, so only timeouts tell), and the leader when the agents talk
+of ``--rdzv-endpoint``), cut off (its link down: no answer at all, so only timeouts tell;
+killed, it refuses at once, which ``test_faults.py`` covers), and the leader when the agents talk
 to a follower, cut off: the follower holds the write it forwarded to the dead leader
 (etcd answers it only after its own request timeout, ~6 s) and the next member in the
 list is the dead one.
 
 Real agents on simulated hosts (``elastic.harness.multihost``), gloo workers all-reducing,
-etcd 3.4 members on hosts of their own, for each etcd backend (``etcd-v3``; ``etcd-v2``
-and ``etcd`` over the v2 API); default liveness settings (heartbeat every 1 s,
-timeout 5 s). Each case checks: no node says it fenced, no worker was stopped or started
-again (the same pids), the workers kept finishing collectives after the fault, and every
-agent exits 0 once the job's stop file appears. ``test_a_keep_alive_finds_another_member``
+etcd 3.4 members on hosts of their own, on ``etcd-v3`` and ``etcd-v2`` (over the v2 API;
+``etcd`` shares its client); default liveness settings (heartbeat every 1 s, timeout
+5 s). Each case checks: no node says it fenced, no worker was stopped or started again
+(the same pids), the workers kept finishing collectives after the fault, and every agent
+exits 0 once the job's stop file appears. ``test_a_keep_alive_finds_another_member``
 measures the store's own switch (the etcd-v3 backend's keep-alive store, against a cut
 leader) and prints it.
 """
@@ -135,23 +135,23 @@ class Job:
             assert code == 0, f"{host.name} exited {code}\n{self.job.texts()}"
 
 
-@pytest.fixture(params=["etcd-v3", "etcd-v2", "etcd"])
+@pytest.fixture(params=["etcd-v3", "etcd-v2"])
 def job(request: pytest.FixtureRequest, cluster_factory: Make, tmp_path: Path) -> Iterator[Job]:
     yield Job(cluster_factory(2 * NODES), tmp_path, request.param)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["sigkill", "cut"])
-def test_the_member_every_agent_talks_to_is_lost(job: Job, fault: str) -> None:
+@pytest.mark.parametrize("job", ["etcd-v2"], indirect=True)
+def test_the_member_every_agent_talks_to_is_cut_off(job: Job) -> None:
+    """On the v2 client, whose requests waited ``read_timeout`` (10 s) on one member. (etcd-v3
+    passed this before hedging too; killed, a member refuses at once:
+    ``test_faults.py::test_etcd_v3_member_loss_changes_nothing``.)"""
     job.start()
     workers = job.workers()
     first = job.members[0]
     fault_at = time.time()
-    if fault == "sigkill":
-        first.kill()
-    else:
-        job.cluster.cut(first)
-    job.undisturbed(workers, fault_at, f"etcd member {first.name} lost ({fault})")
+    job.cluster.cut(first)
+    job.undisturbed(workers, fault_at, f"etcd member {first.name} cut off")
     job.cluster.heal()
     job.finish()
 
