@@ -74,7 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agents_scale_job import heartbeat_run, scale_run  # noqa: E402  (beside this file)
-from agents_scale_startup import bytecode_env, prime, startup_profile  # noqa: E402
+from agents_scale_startup import add_bytecode_options, bytecode_env, prime, startup_profile  # noqa: E402
 from elastic.harness.benchmarking import (  # noqa: E402
     add_report_options,
     bench_env,
@@ -149,15 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-dirs", action="store_true", help="keep agent logs and stamps")
     parser.add_argument("--ours-args", default="", help="extra launcher options for ours")
     parser.add_argument("--torchrun-args", default="", help="extra options for torchrun")
-    parser.add_argument(
-        "--bytecode",
-        choices=("cached", "env"),
-        default="cached",
-        help="cached: every interpreter reads bytecode from --pycache-prefix, written by a "
-        "priming run first; env: as the environment says (PYTHONDONTWRITEBYTECODE=1 makes "
-        "every agent compile the project's modules from source)",
-    )
-    parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
+    add_bytecode_options(parser, "a priming run first")
     add_report_options(parser)
     args = parser.parse_args(argv)
     args.extra = {"ours": shlex.split(args.ours_args), "torchrun": shlex.split(args.torchrun_args)}

@@ -1,9 +1,11 @@
 """Before ``agents_scale.py`` times anything: the bytecode every interpreter reads
-(``bytecode_env``), a priming 1-node job of each launcher that fills it (``prime``), and
-one agent's start-up alone (``startup_profile``: ``--help``'s CPU, the heaviest imports)."""
+(``bytecode_env``, and its options ``add_bytecode_options``, which ``launch.py`` uses
+too), a priming 1-node job of each launcher that fills it (``prime``), and one agent's
+start-up alone (``startup_profile``: ``--help``'s CPU, the heaviest imports)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -30,6 +32,20 @@ def prime(env: dict[str, str], impls: list[str], work: Path) -> dict[str, float]
             job.kill()
         took[impl] = round(time.time() - job.started, 2)
     return took
+
+
+def add_bytecode_options(parser: argparse.ArgumentParser, filled_by: str) -> None:
+    """``--bytecode`` and ``--pycache-prefix`` (``bytecode_env``); ``filled_by``: what
+    writes the cache before anything is timed."""
+    parser.add_argument(
+        "--bytecode",
+        choices=("cached", "env"),
+        default="cached",
+        help=f"cached: every interpreter reads bytecode from --pycache-prefix, written by "
+        f"{filled_by}; env: as the environment says (PYTHONDONTWRITEBYTECODE=1 makes "
+        "ours compile the project's modules on every start)",
+    )
+    parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
 
 
 def bytecode_env(env: dict[str, str], mode: str, prefix: str) -> dict[str, str]:

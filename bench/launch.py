@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents_scale_startup import bytecode_env
+from agents_scale_startup import add_bytecode_options, bytecode_env
 from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
@@ -190,15 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument(
-        "--bytecode",
-        choices=("cached", "env"),
-        default="cached",
-        help="cached: every interpreter reads bytecode from --pycache-prefix, written by the "
-        "warm-up runs; env: as the environment says (PYTHONDONTWRITEBYTECODE=1 makes "
-        "ours compile every module on every start)",
-    )
-    parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
+    add_bytecode_options(parser, "the warm-up runs")
     add_report_options(parser)
     args = parser.parse_args(argv)
     try:
