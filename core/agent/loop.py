@@ -269,12 +269,30 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                 self._joining.attempt_ended()
             if not can_regroup(end.outcome, coordinator.control, self._workers):
                 return self._decide(info, end)
-            regrouped = self._regroup_in_place(end.outcome)
+            regrouped = self._regroup_across_moves(end.outcome)
             if not isinstance(regrouped, tuple):
                 return regrouped
             info, counted = regrouped
             # Workers that took a new round in place have trained in this job.
             self._joining.ran = True
+
+    def _regroup_across_moves(
+        self, outcome: Outcome
+    ) -> tuple[RendezvousInfo, bool] | RunResult | None:
+        """``_regroup_in_place``; when the store's holder leaves while one of the regroup's
+        counts is in flight (waiting for the joiners to get ready), the job re-forms
+        without the holder as after any departure: the same workers go on to the next
+        round where the store is now (``_loop`` would stop them and lose their state)."""
+        while True:
+            try:
+                return self._regroup_in_place(outcome)
+            except RendezvousStoreMovedError as exc:
+                coordinator = self._coordinator
+                assert coordinator is not None
+                if not can_regroup(Outcome.LOST_NODE, coordinator.control, self._workers):
+                    raise
+                say(f"elastic: {exc}; the workers regroup in place", logging.WARNING)
+                outcome = Outcome.LOST_NODE
 
     def _decide(self, info: RendezvousInfo, end: AttemptEnd) -> RunResult | None:
         outcome = end.outcome
