@@ -16,6 +16,7 @@ import signal
 
 from elastic.core.agent.base import AgentBase
 from elastic.core.agent.checkpoint_on_notice import Coordinator, count_if_saved
+from elastic.core.agent.fence import FENCE_GRACE
 from elastic.core.agent.outcome import Outcome
 from elastic.core.agent.regroup import (
     announce_finished,
@@ -108,7 +109,7 @@ class InPlaceRegroup(AgentBase):
             "collective?); restarting them",
             logging.WARNING,
         )
-        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        self._stop(signal.SIGTERM, FENCE_GRACE)  # stuck: their world is gone
         self._notify("elastic_restart", group=self._group, reason="regroup_timeout")
         error = self._start(info, restarts)
         if error is not None:

@@ -35,7 +35,7 @@ from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.crew import Crew
 from elastic.core.agent.endings import Endings
 from elastic.core.agent.exit_code import JobEnd, exit_code
-from elastic.core.agent.fence import FenceGuard
+from elastic.core.agent.fence import FENCE_GRACE, FenceGuard
 from elastic.core.agent.in_place import InPlaceRegroup
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining
@@ -79,10 +79,6 @@ from elastic.core.workers.process import (
 )
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
-# Grace for workers stopped because the world they train in is gone (fenced, store lost),
-# whatever --shutdown-timeout says; a fencing the handler reported stopped them already,
-# with its own shorter grace (``fence.FenceGuard``), which this never extends.
-FENCE_GRACE = 1.0
 
 
 class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent):
