@@ -250,7 +250,10 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     handler=self._handler,
                     check_plugins=self._check_plugins,
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
-                    regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
+                    # its counts go to the store: bounded like every call on a decision path
+                    regroup_wanted=functools.partial(
+                        self._calls, RoundWatch(coordinator, info.world_size, counted=counted)
+                    ),
                     checkpoint_saved=coordinator.saved_here,
                 )
             except RendezvousStoreMovedError as exc:
