@@ -19,8 +19,9 @@ from collections.abc import Callable
 import pytest
 from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
-from elastic.harness.preemption_job import read_events
+from elastic.harness.preemption_job import last_step, read_events
 from elastic.harness.regroup_job import (
+    CHANGE_AT,
     FORM_TIMEOUT,
     PAUSE,
     expected_value,
@@ -50,6 +51,9 @@ def test_a_joiner_cut_off_while_its_worker_gets_ready_rejoins(
         )
         job.conf["heartbeat_timeout"] = 30
         assert job.start_together(running, FORM_TIMEOUT), job.texts()
+        # the workers train (elastic.train said they can regroup) before the joiner comes
+        trained = wait_until(lambda: last_step(read_events(job.workdir), 2) >= CHANGE_AT, 60)
+        assert trained, job.texts()
         job.start(joiner)
         formed = re.compile(r"round \d+ formed: 3 nodes")
         assert wait_until(lambda: formed.search(job.nodes[joiner.name].text()), 60), job.texts()
