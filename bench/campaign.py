@@ -20,7 +20,8 @@ For etcd-v3 a ``store`` event SIGKILLs one of the three etcd members (once).
     python bench/campaign.py [--impls c10d,etcd-v3] [--seeds 1-10] [--duration 150]
         [--gap 5,10] [--variant in-place] [--baseline 20] [--json out.json] [--keep DIR]
 
-Needs root. Prints one line per run and a summary table, then JSON; exit 1 on a violation.
+Needs root. Prints one line per run (and where its time went: ``campaign_check.time_budget``)
+and a summary table, then JSON; exit 1 on a violation.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from campaign_check import Fault, check, plan  # noqa: E402
+from campaign_check import Fault, check, plan, time_budget  # noqa: E402
 from elastic.harness.accumulator import ACCUMULATOR_STATE  # noqa: E402
 from elastic.harness.benchmarking import in_scratch_dir  # noqa: E402
 from elastic.harness.cluster import Cluster, Host, cluster_available  # noqa: E402
@@ -263,6 +264,7 @@ class Campaign:
             "steps_redone": verdict.redone,
             "steps_per_second": round(verdict.final_step / window, 3),
             "violations": verdict.violations,
+            "time": time_budget(events, job.starts()),
             "exit_codes": codes,
             "logs": job.texts(),
         }
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"# {impl} seed {seed}: {report['faults_injected']} faults, "
                 f"{report['steps_redone']} steps redone, goodput {report['goodput']}: "
-                f"{verdict} ({took:.0f} s)",
+                f"{verdict} ({took:.0f} s)\n#   time: {report.get('time')}",
                 file=sys.stderr,
                 flush=True,
             )

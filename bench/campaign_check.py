@@ -168,3 +168,42 @@ def check(
         if pids:
             verdict.violations.append(f"processes left behind on {host}: {pids}")
     return verdict
+
+
+# A pause between two worlds shorter than this is an in-place regroup; longer, a stall.
+REGROUP_PAUSE = 2.0
+
+
+def time_budget(events: list[dict[str, Any]], starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a run's time went, from the workers' events and start records: seconds
+    training (from each world's first step to its last), in in-place regroups (pauses
+    between worlds under ``REGROUP_PAUSE``) and in stalls (longer pauses: fresh workers
+    starting, rounds, waits); how often the state went back to step 1 after the first
+    world; and how long workers started during the run took from their start (before
+    ``import torch``) to their first sync, or that they never got there."""
+    spans: dict[str, list[float]] = {}
+    first_step: dict[str, int] = {}
+    for e in events:
+        if e["event"] == "step":
+            span = spans.setdefault(e["world_id"], [e["t"], e["t"]])
+            span[0], span[1] = min(span[0], e["t"]), max(span[1], e["t"])
+            first_step[e["world_id"]] = min(first_step.get(e["world_id"], e["step"]), e["step"])
+    if not spans:
+        return {}
+    worlds = sorted(spans.items(), key=lambda kv: kv[1][0])
+    pauses = [b[1][0] - a[1][1] for a, b in zip(worlds, worlds[1:], strict=False)]
+    synced: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "sync":
+            synced.setdefault(e["pid"], e["t"])
+    began = worlds[0][1][0]
+    fresh = [r for r in starts if r["t"] > began]
+    startup = sorted(synced[r["pid"]] - r["t"] for r in fresh if r["pid"] in synced)
+    return {
+        "training_s": round(sum(b - a for _, (a, b) in worlds), 1),
+        "regroups": [round(p, 2) for p in pauses if p < REGROUP_PAUSE],
+        "stalls": [round(p, 1) for p in pauses if p >= REGROUP_PAUSE],
+        "state_lost": sum(1 for w, _ in worlds[1:] if first_step[w] <= 1),
+        "fresh_startup_s": [round(s, 1) for s in startup],
+        "fresh_never_synced": len(fresh) - len(startup),
+    }

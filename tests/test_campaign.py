@@ -107,6 +107,21 @@ def test_leftover_processes_are_named() -> None:
     assert verdict.violations == ["processes left behind on node1: [123]"]
 
 
+def test_the_time_budget_splits_training_regroups_stalls_and_start_ups() -> None:
+    events = steps("w1", 1, 10, 0.0) + steps("w2", 10, 20, 1.4) + steps("w3", 1, 5, 10.0)
+    events.append({"event": "sync", "pid": 7, "t": 9.0})
+    starts = [{"pid": 1, "t": -3.0}, {"pid": 7, "t": 5.0}, {"pid": 8, "t": 6.0}]
+    budget = check_mod.time_budget(events, starts)
+    assert budget == {
+        "training_s": 2.3,  # 0.9 + 1.0 + 0.4
+        "regroups": [0.5],
+        "stalls": [7.6],
+        "state_lost": 1,  # w3 began again at step 1
+        "fresh_startup_s": [4.0],  # pid 1 started before the first step: not counted
+        "fresh_never_synced": 1,
+    }
+
+
 def test_a_schedule_is_the_seeds_and_never_goes_below_the_minimum() -> None:
     first = check_mod.plan(7, 4, 150.0, (5.0, 10.0))
     assert first == check_mod.plan(7, 4, 150.0, (5.0, 10.0))

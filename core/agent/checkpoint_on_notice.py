@@ -116,6 +116,15 @@ class Coordinator:
         return int(self.store.add(seen_key(self.round), 0)) >= world_size
 
 
+def count_if_saved(coordinator: Coordinator) -> None:
+    """Count this node's save once its workers saved: for an agent that is not watching
+    its round (it waits for the next one to get ready) while its workers train on in the
+    old group, where a peer's all_reduce brings them a notice's request. Uncounted, the
+    departing node would wait out its whole grace."""
+    if coordinator.saved_here():
+        coordinator.relay()
+
+
 def wait_for_save(
     coordinator: Coordinator,
     world_size: int,

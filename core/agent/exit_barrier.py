@@ -12,7 +12,11 @@ from typing import Any
 
 from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces.job_keys import BARRIER_KEY, BUDGET_KEY, FAILED_KEY, parse_budget
-from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousFencedError
+from elastic.core.interfaces.rendezvous import (
+    RendezvousError,
+    RendezvousFencedError,
+    RendezvousStoreMovedError,
+)
 from elastic.core.interfaces.store import Store
 
 
@@ -51,8 +55,8 @@ def exit_barrier(
                 call(store.add, key, 1)
                 counted = True
             done, failed, budget, arrived = call(store.multi_get, keys)
-        except RendezvousFencedError:
-            time.sleep(0.1)  # cut off for now: the store may answer again before the timeout
+        except (RendezvousFencedError, RendezvousStoreMovedError):
+            time.sleep(0.1)  # cut off for now, or moved: the store may answer again
             continue
         if done:
             return BarrierEnd.DONE
@@ -65,7 +69,8 @@ def exit_barrier(
         except RendezvousError:
             gone = 0  # cannot tell (fenced): wait for everyone, bounded by the timeout
         if _count(arrived) >= world_size - gone:
-            with contextlib.suppress(RendezvousFencedError):  # the others count arrivals too
+            # the others count arrivals too
+            with contextlib.suppress(RendezvousFencedError, RendezvousStoreMovedError):
                 call(store.set, f"{key}/done", "1")
             return BarrierEnd.DONE
         time.sleep(0.1)

@@ -29,6 +29,14 @@ from collections.abc import Sequence
 
 from elastic.core.workers.process import WorkerProcess, killpg
 
+# Grace for workers stopped because the world they train in is gone (fenced, store lost,
+# stuck in a round the job has left), whatever --shutdown-timeout says: a worker blocked
+# in a collective or a group's creation with a peer that is gone cannot run a Python
+# signal handler (``elastic.train`` defers the preemption signal in one), so a longer
+# grace only holds the agent out of the next rounds. A fencing the handler reported
+# stopped them already, with its own shorter grace (``FenceGuard``), never extended.
+FENCE_GRACE = 1.0
+
 log = logging.getLogger(__name__)
 
 

@@ -11,12 +11,12 @@ imports that module, ``checkpoint_on_notice``, ``start`` and ``restarts``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import signal
 
 from elastic.core.agent.base import AgentBase
-from elastic.core.agent.checkpoint_on_notice import Coordinator
+from elastic.core.agent.checkpoint_on_notice import Coordinator, count_if_saved
+from elastic.core.agent.fence import FENCE_GRACE
 from elastic.core.agent.outcome import Outcome
 from elastic.core.agent.regroup import (
     announce_finished,
@@ -31,6 +31,7 @@ from elastic.core.agent.regroup import (
 )
 from elastic.core.agent.restarts import job_failed, restarts_used
 from elastic.core.agent.start import place_group
+from elastic.core.agent.store_call import store_call
 from elastic.core.interfaces.rendezvous import RendezvousError, RendezvousInfo
 from elastic.core.interfaces.spec import RunResult
 from elastic.core.log import say
@@ -48,7 +49,12 @@ class InPlaceRegroup(AgentBase):
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
             control.request_regroup()
-        superseded = functools.partial(round_superseded, self._handler)
+        coordinator = self._coordinator
+
+        def superseded() -> bool:  # asked every poll while the next round gets ready
+            store_call(count_if_saved, coordinator)
+            return round_superseded(self._handler)
+
         while True:
             info = self._rendezvous()
             if isinstance(info, RunResult) or self._calls(job_failed, info.store):
@@ -105,7 +111,7 @@ class InPlaceRegroup(AgentBase):
             "collective?); restarting them",
             logging.WARNING,
         )
-        self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+        self._stop(signal.SIGTERM, FENCE_GRACE)  # stuck: their world is gone
         self._notify("elastic_restart", group=self._group, reason="regroup_timeout")
         error = self._start(info, restarts)
         if error is not None:

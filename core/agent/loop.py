@@ -35,7 +35,7 @@ from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.crew import Crew
 from elastic.core.agent.endings import Endings
 from elastic.core.agent.exit_code import JobEnd, exit_code
-from elastic.core.agent.fence import FenceGuard
+from elastic.core.agent.fence import FENCE_GRACE, FenceGuard
 from elastic.core.agent.in_place import InPlaceRegroup
 from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining
@@ -79,10 +79,6 @@ from elastic.core.workers.process import (
 )
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
-# Grace for workers stopped because the world they train in is gone (fenced, store lost),
-# whatever --shutdown-timeout says; a fencing the handler reported stopped them already,
-# with its own shorter grace (``fence.FenceGuard``), which this never extends.
-FENCE_GRACE = 1.0
 
 
 class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent):
@@ -254,7 +250,10 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     handler=self._handler,
                     check_plugins=self._check_plugins,
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
-                    regroup_wanted=RoundWatch(coordinator, info.world_size, counted=counted),
+                    # its counts go to the store: bounded like every call on a decision path
+                    regroup_wanted=functools.partial(
+                        self._calls, RoundWatch(coordinator, info.world_size, counted=counted)
+                    ),
                     checkpoint_saved=coordinator.saved_here,
                 )
             except RendezvousStoreMovedError as exc:
@@ -269,12 +268,30 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                 self._joining.attempt_ended()
             if not can_regroup(end.outcome, coordinator.control, self._workers):
                 return self._decide(info, end)
-            regrouped = self._regroup_in_place(end.outcome)
+            regrouped = self._regroup_across_moves(end.outcome)
             if not isinstance(regrouped, tuple):
                 return regrouped
             info, counted = regrouped
             # Workers that took a new round in place have trained in this job.
             self._joining.ran = True
+
+    def _regroup_across_moves(
+        self, outcome: Outcome
+    ) -> tuple[RendezvousInfo, bool] | RunResult | None:
+        """``_regroup_in_place``; when the store's holder leaves while one of the regroup's
+        counts is in flight (waiting for the joiners to get ready), the job re-forms
+        without the holder as after any departure: the same workers go on to the next
+        round where the store is now (``_loop`` would stop them and lose their state)."""
+        while True:
+            try:
+                return self._regroup_in_place(outcome)
+            except RendezvousStoreMovedError as exc:
+                coordinator = self._coordinator
+                assert coordinator is not None
+                if not can_regroup(Outcome.LOST_NODE, coordinator.control, self._workers):
+                    raise
+                say(f"elastic: {exc}; the workers regroup in place", logging.WARNING)
+                outcome = Outcome.LOST_NODE
 
     def _decide(self, info: RendezvousInfo, end: AttemptEnd) -> RunResult | None:
         outcome = end.outcome

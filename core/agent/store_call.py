@@ -20,6 +20,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousFencedError,
     RendezvousHandler,
     RendezvousStoreGoneError,
+    RendezvousStoreMovedError,
 )
 from elastic.core.workers.process import Interrupted
 
@@ -86,7 +87,10 @@ class BoundedCalls:
     The outcomes, for the agent's loop: the store answered (its value); this node is
     fenced, or the store did not answer (``RendezvousFencedError``: stop the workers and
     rejoin, which waits for the store up to ``join_timeout``); the store's host said that
-    nothing serves the store any more (``RendezvousStoreGoneError``: final, as before).
+    nothing serves the store any more (``RendezvousStoreGoneError``: final, as before); the
+    store moved while a request that cannot be repeated was in flight
+    (``RendezvousStoreMovedError``: it answers where it is now, so the caller decides, as
+    the agent does for a regroup in place).
     A backend with no liveness tracking never fences: its client's own timeout bounds the
     call, and an unanswered call still becomes ``RendezvousFencedError``.
     """
@@ -104,7 +108,12 @@ class BoundedCalls:
             self._handler.lost_nodes()  # raises RendezvousFencedError once fenced
         try:
             return pending.result()
-        except (RendezvousStoreGoneError, RendezvousFencedError, Interrupted):
+        except (
+            RendezvousStoreGoneError,
+            RendezvousStoreMovedError,
+            RendezvousFencedError,
+            Interrupted,
+        ):
             raise
         except RendezvousConnectionError as exc:
             waited = time.monotonic() - started

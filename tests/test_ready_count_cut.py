@@ -1,0 +1,77 @@
+"""A joining node cut off while its new worker gets ready (the fault campaign,
+``bench/campaign.py --impls c10d --seeds 4``), on a simulated multi-host network: real
+agents (c10d, the store on host 0), one per host, running
+``elastic.harness.regroup_job.REGROUP_WORKER``.
+
+The joiner's worker reaches ``elastic.init_process_group`` while the joiner's cable is
+out, so its agent's count of readiness for the round goes unanswered. That is a partition,
+like any store call on the agent's decision paths: the agent stops its workers and rejoins
+once the network is back (the round's liveness is 30 s here, so the fencing itself comes
+late). It once took the unanswered count for a store gone, exited 1 ("lost the rendezvous
+backend") and ended with a code that was not the job's outcome."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import wait_until
+from elastic.harness.preemption_job import last_step, read_events
+from elastic.harness.regroup_job import (
+    CHANGE_AT,
+    FORM_TIMEOUT,
+    PAUSE,
+    expected_value,
+    finish,
+    reference,
+    regroup_job,
+)
+
+pytestmark = pytest.mark.slow
+
+Make = Callable[..., Cluster]
+STEPS = 500  # 50 s at PAUSE: the job outlasts the cut, the heal and the rejoin
+CUT_FOR = 13.0  # s after the worker got ready: past the count's 10 s unanswered read
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_cut_off_while_its_worker_gets_ready_rejoins(
+    cluster_factory: Make, tmp_path
+) -> None:
+    ref = reference(tmp_path, STEPS)
+    try:
+        cluster = cluster_factory(3)
+        nodes = list(cluster.hosts)
+        running, joiner = nodes[:2], nodes[2]
+        job = regroup_job(
+            cluster, tmp_path, steps=STEPS, pause=PAUSE, nnodes="2:3", args=["--max-restarts=0"]
+        )
+        job.conf["heartbeat_timeout"] = 30
+        assert job.start_together(running, FORM_TIMEOUT), job.texts()
+        # the workers train (elastic.train said they can regroup) before the joiner comes
+        trained = wait_until(lambda: last_step(read_events(job.workdir), 2) >= CHANGE_AT, 60)
+        assert trained, job.texts()
+        job.start(joiner)
+        formed = re.compile(r"round \d+ formed: 3 nodes")
+        assert wait_until(lambda: formed.search(job.nodes[joiner.name].text()), 60), job.texts()
+        cluster.cut(joiner)  # its worker has just started: it gets ready while cut off
+        # the start record comes after import torch, just before the worker says it is ready
+        started = wait_until(lambda: job.latest(joiner) is not None, 60)
+        assert started, job.texts()
+        time.sleep(CUT_FOR)
+        cluster.heal(joiner)
+        finish(job, nodes)
+        value = expected_value(ref)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.communicate()
+    text = job.nodes[joiner.name].text()
+    assert "lost the rendezvous backend" not in text, job.texts()
+    assert "cannot reach the rendezvous store" in text, text  # the count went unanswered
+    seen = read_events(job.workdir)
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == 3 and {e["value"] for e in done} == {value}, (done, job.texts())

@@ -1,0 +1,71 @@
+"""The c10d store's holder leaves while the job regroups in place (the fault campaign,
+``bench/campaign.py --impls c10d --seeds 2``), on a simulated multi-host network: real
+agents (c10d, the store on host 0), one per host, running
+``elastic.harness.regroup_job.REGROUP_WORKER`` (``elastic.train`` on gloo, no checkpointer,
+an integer state that ends bit-identical to an unbroken run's).
+
+A node joins a 3-node job; while the round with it has formed and the kept workers wait
+for the joiner's new worker to get ready, the node holding the store is preempted
+(SIGTERM): it hands the store over and leaves. The kept nodes' count of readiness is in
+flight at that moment ("the store moved ... during a ADD, whose outcome is unknown"); they
+must go on to the next round where the store is now with the same workers, which once
+stopped every worker there and lost the in-place state."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import wait_until
+from elastic.harness.preemption_job import read_events
+from elastic.harness.regroup_job import JOIN_STEPS, expected_value, finish, reference, start_job
+
+pytestmark = pytest.mark.slow
+
+Make = Callable[..., Cluster]
+
+
+@pytest.mark.timeout(300)
+def test_the_store_holder_leaving_while_a_joiner_gets_ready_keeps_the_workers(
+    cluster_factory: Make, tmp_path
+) -> None:
+    ref = reference(tmp_path, JOIN_STEPS)
+    try:
+        cluster = cluster_factory(4)
+        nodes = list(cluster.hosts)
+        holder, kept, joiner = nodes[0], nodes[1:3], nodes[3]
+        job = start_job(cluster, tmp_path, "2:4", nodes[:3], JOIN_STEPS)
+        job.start(joiner)
+        with_joiner = re.compile(r"round \d+ formed: 4 nodes")
+        formed = wait_until(lambda: with_joiner.search(job.nodes[kept[0].name].text()), 60)
+        assert formed, job.texts()
+        left = time.time()
+        os.kill(job.nodes[holder.name].proc.pid, signal.SIGTERM)  # while they get ready
+        assert job.nodes[holder.name].wait(60) == 128 + signal.SIGTERM, job.texts()
+        finish(job, [*kept, joiner])
+        value = expected_value(ref)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.communicate()
+    texts = job.texts()
+    assert "handed the c10d rendezvous store over" in texts, texts
+    names = {h.name for h in kept}
+    restarted = [r for r in job.starts() if r["host"] in names and r["t"] > left]
+    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
+    seen = read_events(job.workdir)
+    for host in kept:
+        pids = {e["pid"] for e in seen if e["host"] == host.name}
+        assert len(pids) == 1, f"{host.name} ran {pids}\n{texts}"
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == 3 and {e["value"] for e in done} == {value}, (done, texts)
+    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > left]
+    assert {e["host"] for e in steps_after} == {*names, joiner.name}, steps_after
+    first = min(e["t"] for e in steps_after)
+    print(f"the holder left during the join: first 3-node step {first - left:.2f}s after")
