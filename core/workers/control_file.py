@@ -79,7 +79,15 @@ def round_path(control_path: str) -> str:
 def stack_path(control_path: str, slot: int) -> str:
     """Where a worker that can regroup dumps its Python stacks when no plugin named a file
     (``ELASTIC_STACK_FILE``): registered by the worker as it says it can
-    (``elastic.training.regroup.opt_in``), read by the agent when a regroup's bound runs out."""
+    (``elastic.training.regroup.opt_in``), read by the agent when a regroup's bound runs
+    out (``core/agent/regroup.py``: stuck, or waiting in a collective?).
+
+    The worker registers, not the agent's boot ``sitecustomize`` (which needs
+    ``ELASTIC_STACK_FILE`` and the boot directory on ``PYTHONPATH``): exactly the workers a
+    regroup waits for get the handler (about 0.1 ms, once), and every worker's
+    environment stays torchrun's (``tests/test_agent_process.py``); a plain script, which
+    takes the restart path, registers nothing. The path derives from the control file's,
+    which the worker has, so no variable is added."""
     return f"{control_path}{STACKS_SUFFIX}{slot}"
 
 
