@@ -176,7 +176,7 @@ def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
     stuck_text = job.nodes[stuck.name].text()
     assert node_rank(stuck_text) == stuck_rank, stuck_text  # the case this run covers
     assert "did not take the new round in time" in stuck_text, job.texts()
-    assert "in train_step: time.sleep" in stuck_text, stuck_text  # where it was stuck
+    assert "in train_step: time.sleep" in stuck_text, job.texts()  # where it was stuck
     figures = kept_in_place(job, killed, 3, 2, [kept], value)
     restarted = [r for r in job.starts() if r["host"] == stuck.name and r["t"] > killed]
     assert len(restarted) == 1 and restarted[0]["restart"] == 0, restarted

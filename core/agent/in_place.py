@@ -107,8 +107,7 @@ class InPlaceRegroup(AgentBase):
             return info, True
         with contextlib.suppress(RendezvousError):
             self._calls(announce_replaced, store, round_)
-        stuck = where[0].stuck if where else []
-        why = "; ".join(stuck) if stuck else "waiting in a collective, or no stacks"
+        why = where[0].explain() if where else "nor after another node restarted its workers"
         say(
             f"elastic: the workers did not take the new round in time ({why}); restarting them",
             logging.WARNING,

@@ -246,6 +246,11 @@ class Untaken:
     waiting: bool | None
     stuck: list[str]
 
+    def explain(self) -> str:
+        if self.stuck:
+            return "; ".join(self.stuck)
+        return "waiting in a collective" if self.waiting else "no stacks to tell where"
+
 
 def untaken(control: ControlFile, generation: int, workers: Sequence[WorkerProcess]) -> Untaken:
     """Dump the stacks of the live workers that did not take round ``generation``
@@ -274,19 +279,22 @@ def untaken(control: ControlFile, generation: int, workers: Sequence[WorkerProce
 def patience(waiting: bool | None, first: bool) -> float:
     """Seconds a node whose bound for taking a round ran out, and no other node announced
     it replaced its workers, still looks for that announcement (``wait_taken``). The
-    bounds of the nodes run out together when one node's worker is stuck in a long step
-    and the others wait for it in a collective, so the order they give up in decides
+    bounds of the nodes run out about together when one node's worker is stuck in a long
+    step and the others wait for it in a collective, so the order they give up in decides
     which workers are kept:
 
     - a worker of ours not in a collective (``waiting`` False): at once, it is stuck here;
     - the stacks cannot tell (``waiting`` None: a worker gave no dump, not Python): at
       once, but the round's rank 0 (``first``) for ``REPLACED_GRACE``, the tie-break;
-    - every worker of ours waits in a collective: later than all of those, the round's
-      rank 0 last, so when every node's workers wait in collectives one node gives up
-      and rank 0 keeps its workers."""
-    if waiting is False:
-        return 0.0
-    return REPLACED_GRACE * (2 * bool(waiting) + first)
+    - every worker of ours waits in a collective: ``BOUNDARY_WAIT`` (the round's rank 0
+      ``REPLACED_GRACE`` more, so when every node's workers wait in collectives one node
+      gives up and rank 0 keeps its workers). That long because each node's bound starts
+      when it hands the round over and counts its own workers' last step: on a loaded
+      machine the stuck node's runs out seconds after ours, and a node whose workers are
+      only waiting loses little by waiting, where giving up first restarts them too."""
+    if waiting is None:
+        return REPLACED_GRACE * first
+    return BOUNDARY_WAIT + REPLACED_GRACE * first if waiting else 0.0
 
 
 def announce_replaced(store: Store, round_: int) -> None:
