@@ -1,16 +1,20 @@
 """The in-place regroup hand-off through the control file, in one process: the agent's
 end (``ControlFile``) against the worker's (``elastic.training.regroup``), and the
-worker API outside ``elastic run``. The multi-host runs are in
-``tests/test_regroup_multihost.py``."""
+worker API outside ``elastic run``; where workers that did not take a round are, from
+their stacks. The multi-host runs are in ``tests/test_regroup_multihost.py``."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from elastic.core.agent.regroup import BOUNDARY_WAIT, Untaken, patience, untaken
 from elastic.core.workers.control_file import (
     BROKEN,
     ENV_CONTROL,
@@ -108,3 +112,76 @@ def test_close_removes_the_round_file_too(tmp_path: Path) -> None:
     file.hand_over({0: {"RANK": "0"}})
     file.close()
     assert list(tmp_path.iterdir()) == []
+
+
+# A worker that opted in to regroup: local rank 0 sleeps in a step (user code), local rank 1
+# waits for it in a gloo all_reduce; each says when it is there.
+WORKER = """
+import os, sys, time
+from elastic.training import regroup
+assert regroup.opt_in()
+import torch
+import torch.distributed as dist
+rank = int(os.environ["ELASTIC_CONTROL_SLOT"])
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=rank, world_size=2)
+open(sys.argv[2] + str(rank), "w").close()
+if rank == 0:
+    time.sleep(120)  # stuck in a step
+dist.all_reduce(torch.ones(1))
+"""
+
+
+class Worker:
+    def __init__(self, local_rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.local_rank, self.proc, self.pid = local_rank, proc, proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+def test_the_stacks_say_which_untaken_worker_is_stuck_and_which_waits(tmp_path: Path) -> None:
+    """``untaken`` (the agent, its bound for taking a round run out) dumps the stacks the
+    workers registered as they opted in: one asleep in its step is stuck, one in a
+    collective waits; a worker that never registered leaves it undecided."""
+    node = ControlFile(3, directory=str(tmp_path))
+    script, there = tmp_path / "worker.py", str(tmp_path / "there-")
+    script.write_text(WORKER)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    workers = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, **node.worker_env(rank)}
+            proc = subprocess.Popen([sys.executable, str(script), init, there], env=env)
+            workers.append(Worker(rank, proc))
+        plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        workers.append(Worker(2, plain))
+        started = lambda: all(os.path.exists(there + str(r)) for r in range(2))  # noqa: E731
+        deadline = time.monotonic() + 60
+        while not started() and time.monotonic() < deadline:
+            assert all(w.poll() is None for w in workers)
+            time.sleep(0.05)
+        assert started()
+        time.sleep(0.5)  # rank 1 is in its all_reduce by now
+        found = untaken(node, 1, workers)
+        assert found.waiting is False
+        assert len(found.stuck) == 1 and found.stuck[0].startswith("local rank 0 at "), found
+        assert "time.sleep(120)" in found.stuck[0]
+        assert untaken(node, 1, workers[1:2]) == Untaken(True, [])  # waits in a collective
+        assert untaken(node, 1, workers[1:]) == Untaken(None, [])  # 2 gave no dump
+        stack_files = [Path(node.stack_file(r)) for r in range(2)]
+        assert all(f.stat().st_size > 0 for f in stack_files)
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+        node.close()
+    assert not any(f.exists() for f in stack_files)  # close removes them with the file
+
+
+def test_the_stuck_node_gives_up_first_and_rank_0_breaks_ties() -> None:
+    """The order nodes whose bounds ran out together give up in (``patience``)."""
+    stuck, blind, blind_first = patience(False, True), patience(None, False), patience(None, True)
+    waiting, waiting_first = patience(True, False), patience(True, True)
+    assert stuck == blind == 0.0
+    assert 0.0 < blind_first < waiting < waiting_first
+    assert waiting >= BOUNDARY_WAIT  # the stuck node's bound may run out seconds later

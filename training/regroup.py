@@ -27,9 +27,11 @@ from __future__ import annotations
 import os
 import time
 
+from elastic.core.workers.boot.sitecustomize import install
 from elastic.core.workers.control_file import (
     BROKEN,
     CAPABLE,
+    ENV_CONTROL,
     GENERATION_FIELD,
     JOINED,
     MAX_ROUND_FILE,
@@ -38,6 +40,7 @@ from elastic.core.workers.control_file import (
     STEP_US,
     parse_round,
     round_path,
+    stack_path,
 )
 from elastic.training import control
 from elastic.training.dist import leave_group, rejoin_group
@@ -57,6 +60,9 @@ def opt_in() -> bool:
     if not control.available():
         return False
     if not control.mine(CAPABLE):
+        # The agent, its bound for taking a round run out, asks where this worker is:
+        # waiting in a collective (a peer is stuck) or stuck itself (core/agent/regroup.py).
+        install(stack_path(os.environ[ENV_CONTROL], control.slot_index()))
         control.set_mine(CAPABLE, 1)
     return True
 

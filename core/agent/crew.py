@@ -15,6 +15,7 @@ from elastic.core.agent.checkpoint_on_notice import Coordinator, notice_env
 from elastic.core.agent.start import place_group, start_workers
 from elastic.core.interfaces.rendezvous import RendezvousInfo
 from elastic.core.interfaces.spec import WorkerState
+from elastic.core.workers.boot.sitecustomize import ENV_FILE as STACK_FILE_ENV
 from elastic.core.workers.control_file import ControlFile
 from elastic.core.workers.logs import LogLayout, start_tailer
 from elastic.core.workers.process import stop_workers
@@ -43,10 +44,9 @@ class Crew(AgentBase):
         self._coordinator = Coordinator(info.store, info.round, control)
 
         def process_env(local_rank: int, error_file: str) -> dict[str, str]:
-            return {
-                **self._host.worker_process_env(local_rank, error_file),
-                **control.worker_env(local_rank),
-            }
+            env = self._host.worker_process_env(local_rank, error_file)
+            # A plugin's dump file (the stall detector's) is also the one a regroup reads.
+            return {**env, **control.worker_env(local_rank, env.get(STACK_FILE_ENV))}
 
         signals = {
             "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(self._signals),

@@ -19,13 +19,16 @@ from elastic.core.agent.checkpoint_on_notice import Coordinator, count_if_saved
 from elastic.core.agent.fence import FENCE_GRACE
 from elastic.core.agent.outcome import Outcome
 from elastic.core.agent.regroup import (
+    Untaken,
     announce_finished,
     announce_replaced,
     finished,
     finished_untaken,
     hand_over,
+    patience,
     replaced_in,
     round_superseded,
+    untaken,
     wait_ready,
     wait_taken,
 )
@@ -94,9 +97,13 @@ class InPlaceRegroup(AgentBase):
             except RendezvousError:
                 return False  # cannot tell: the bound decides
 
-        taken = wait_taken(
-            control, generation, self._workers, self._sleep, replaced, patient=info.rank == 0
-        )
+        where: list[Untaken] = []
+
+        def how_patient() -> float:
+            where.append(untaken(control, generation, self._workers))
+            return patience(where[0].waiting, first=info.rank == 0)
+
+        taken = wait_taken(control, generation, self._workers, self._sleep, replaced, how_patient)
         # Also when the bound ran out: workers done in the old round are never restarted.
         if finished_untaken(control, generation, self._workers, self._sleep):
             announce_finished(info.store, info.round)  # as above, one step later
@@ -106,9 +113,9 @@ class InPlaceRegroup(AgentBase):
             return info, True
         with contextlib.suppress(RendezvousError):
             self._calls(announce_replaced, store, round_)
+        why = where[0].explain() if where else "nor after another node restarted its workers"
         say(
-            "elastic: the workers did not take the new round in time (stuck in a "
-            "collective?); restarting them",
+            f"elastic: the workers did not take the new round in time ({why}); restarting them",
             logging.WARNING,
         )
         self._stop(signal.SIGTERM, FENCE_GRACE)  # stuck: their world is gone

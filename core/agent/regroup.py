@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.outcome import Outcome
@@ -43,9 +44,7 @@ BOUNDARY_WAIT = 5.0
 # build the model): scripts that create their group with elastic.init_process_group say
 # when they are about to join; others are waited for this long, then joined anyway.
 READY_WAIT = 30.0
-# s the round's rank 0, its bound run out, still looks for another node replacing its
-# workers in the round: the bounds run out at about the same time when one node's worker is
-# stuck in a long step and the others wait for it in a collective (``wait_taken``).
+# s, the step between the moments nodes whose bounds ran out together give up (``patience``)
 REPLACED_GRACE = 1.0
 _POLL = 0.01
 
@@ -205,7 +204,7 @@ def wait_taken(
     workers: Sequence[WorkerProcess],
     sleep: Callable[[float], None],
     replaced: Callable[[], bool] = lambda: False,
-    patient: bool = False,
+    patience: Callable[[], float] = lambda: 0.0,
 ) -> bool:
     """Until every worker took round ``generation``, ended or marked itself done (the
     caller and the monitor then judge how) (True), or the bound ran out (False).
@@ -214,11 +213,12 @@ def wait_taken(
     restarting them. Ours may be waiting only in a collective with one of those, which
     fails once it is stopped; then ours roll back and take the round. So when the bound
     runs out and another node replaced its workers, ours get ``BOUNDARY_WAIT`` more, once.
-    The bounds of two such nodes run out together: the ``patient`` one (the round's rank
-    0) looks for the other's announcement for ``REPLACED_GRACE`` more, the others give up
-    at once, so one of the two is kept when its workers were only waiting."""
+    The bounds of two such nodes run out together: ``patience()``, asked then (once), is
+    how much longer this node looks for another's announcement before it gives up
+    (``patience``)."""
     deadline = time.monotonic() + BOUNDARY_WAIT + 2 * control.longest_step()
     extended = False
+    grace: float | None = None
     while True:
         taken = control.joined(generation) | control.done()  # done: they will not take it
         if all(w.local_rank in taken or w.poll() is not None for w in workers):
@@ -229,9 +229,72 @@ def wait_taken(
                 return False
             if replaced():
                 extended, deadline = True, now + BOUNDARY_WAIT
-            elif not patient or now >= deadline + REPLACED_GRACE:
+                continue
+            if grace is None:
+                grace = patience()
+            if now >= deadline + grace:
                 return False
         sleep(_POLL)
+
+
+@dataclass
+class Untaken:
+    """Where the workers that did not take a round are (``untaken``): ``waiting`` True
+    when each waits in a collective, False when one does not (``stuck`` says where),
+    None when the stacks cannot tell (a worker gave no dump)."""
+
+    waiting: bool | None
+    stuck: list[str]
+
+    def explain(self) -> str:
+        if self.stuck:
+            return "; ".join(self.stuck)
+        return "waiting in a collective" if self.waiting else "no stacks to tell where"
+
+
+def untaken(control: ControlFile, generation: int, workers: Sequence[WorkerProcess]) -> Untaken:
+    """Dump the stacks of the live workers that did not take round ``generation``
+    (``core/watchdog/stacks.py``, no ptrace: each registered a dump file as it said it
+    can regroup) and say whether each waits in a collective. Our own step agreement and
+    state sync are collectives too: their innermost frames are ``torch.distributed``'s."""
+    from elastic.core.watchdog.stacks import dump_stacks  # only when a bound runs out
+
+    taken = control.joined(generation) | control.done()
+    targets = {
+        w.local_rank: (w.pid, control.stack_file(w.local_rank))
+        for w in workers
+        if w.local_rank not in taken and w.poll() is None
+    }
+    dumps = dump_stacks(targets)
+    stuck = [
+        f"local rank {rank} at {dump.where()}"
+        for rank, dump in sorted(dumps.items())
+        if dump.waiting_in() is None
+    ]
+    if stuck:
+        return Untaken(False, stuck)
+    return Untaken(True if dumps and len(dumps) == len(targets) else None, [])
+
+
+def patience(waiting: bool | None, first: bool) -> float:
+    """Seconds a node whose bound for taking a round ran out, and no other node announced
+    it replaced its workers, still looks for that announcement (``wait_taken``). The
+    bounds of the nodes run out about together when one node's worker is stuck in a long
+    step and the others wait for it in a collective, so the order they give up in decides
+    which workers are kept:
+
+    - a worker of ours not in a collective (``waiting`` False): at once, it is stuck here;
+    - the stacks cannot tell (``waiting`` None: a worker gave no dump, not Python): at
+      once, but the round's rank 0 (``first``) for ``REPLACED_GRACE``, the tie-break;
+    - every worker of ours waits in a collective: ``BOUNDARY_WAIT`` (the round's rank 0
+      ``REPLACED_GRACE`` more, so when every node's workers wait in collectives one node
+      gives up and rank 0 keeps its workers). That long because each node's bound starts
+      when it hands the round over and counts its own workers' last step: on a loaded
+      machine the stuck node's runs out seconds after ours, and a node whose workers are
+      only waiting loses little by waiting, where giving up first restarts them too."""
+    if waiting is None:
+        return REPLACED_GRACE * first
+    return BOUNDARY_WAIT + REPLACED_GRACE * first if waiting else 0.0
 
 
 def announce_replaced(store: Store, round_: int) -> None:

@@ -59,6 +59,7 @@ LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY, DONE = range(8)
 # own agent has raised it locally: it then saves "for whatever request is pending".
 SAVED_PENDING = 2**64 - 1
 ROUND_SUFFIX = ".round"  # the round file: <control file>.round
+STACKS_SUFFIX = ".stacks-"  # a worker's stack dumps: <control file>.stacks-<slot>
 MAX_ROUND_FILE = 1 << 20  # bytes a worker reads at most
 
 
@@ -73,6 +74,21 @@ def field_offset(field: int) -> int:
 
 def round_path(control_path: str) -> str:
     return control_path + ROUND_SUFFIX
+
+
+def stack_path(control_path: str, slot: int) -> str:
+    """Where a worker that can regroup dumps its Python stacks when no plugin named a file
+    (``ELASTIC_STACK_FILE``): registered by the worker as it says it can
+    (``elastic.training.regroup.opt_in``), read by the agent when a regroup's bound runs
+    out (``core/agent/regroup.py``: stuck, or waiting in a collective?).
+
+    The worker registers, not the agent's boot ``sitecustomize`` (which needs
+    ``ELASTIC_STACK_FILE`` and the boot directory on ``PYTHONPATH``): exactly the workers a
+    regroup waits for get the handler (about 0.1 ms, once), and every worker's
+    environment stays torchrun's (``tests/test_agent_process.py``); a plain script, which
+    takes the restart path, registers nothing. The path derives from the control file's,
+    which the worker has, so no variable is added."""
+    return f"{control_path}{STACKS_SUFFIX}{slot}"
 
 
 def parse_round(raw: bytes, slot: int, joined: int) -> tuple[int, dict[str, str]] | None:
@@ -107,9 +123,17 @@ class ControlFile:
             os.close(fd)
         self.requested = 0
         self.generation = 0
+        self._stack_files: dict[int, str] = {}
 
-    def worker_env(self, local_rank: int) -> dict[str, str]:
+    def worker_env(self, local_rank: int, stack_file: str | None = None) -> dict[str, str]:
+        """The worker's variables; ``stack_file``: the dump file a plugin named for it
+        (``ELASTIC_STACK_FILE``), which it then registers instead of ``stack_path``'s."""
+        self._stack_files[local_rank] = stack_file or stack_path(self.path, local_rank)
         return {ENV_CONTROL: self.path, ENV_CONTROL_SLOT: str(local_rank)}
+
+    def stack_file(self, local_rank: int) -> str:
+        """The file the worker in ``local_rank`` dumps its stacks into, once registered."""
+        return self._stack_files.get(local_rank) or stack_path(self.path, local_rank)
 
     def _set(self, field: int, value: int) -> None:
         if self._map is not None:
@@ -186,6 +210,7 @@ class ControlFile:
         if self._map is not None:
             self._map.close()
             self._map = None
-        for path in (self.path, round_path(self.path)):
+        stacks = [stack_path(self.path, r) for r in range(self.local_world_size)]
+        for path in (self.path, round_path(self.path), *stacks):
             with contextlib.suppress(OSError):
                 os.unlink(path)
