@@ -84,7 +84,8 @@ import elastic
 from elastic.training import loop
 
 STEPS, SPLIT_AT = 30, 6
-good = sys.argv[1] == "tenured"
+good = sys.argv[1] != "least"
+dies_in_sync = sys.argv[1] == "sync"  # the dying rank dies halfway through the first sync
 out = os.environ["OUT"]
 first_rank = int(os.environ["RANK"])  # roles by the first round's rank
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -108,6 +109,10 @@ class Accumulator(AccumulatorState):
             source = elastic.tenured_rank()
         else:  # a wrong sync: the least advanced rank's state
             source = min(range(world_size), key=lambda r: (every[r]["step"], r))
+        if dies_in_sync and role == "dies" and restart == 0:
+            note("dies", step=self.step)  # the others got its snapshot, not the digests
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         note("sync", before=self.step, step=every[source]["step"], value=every[source]["value"])
         self.apply_snapshot(every[source])
 
@@ -119,7 +124,7 @@ real = loop._all_reduce_max
 def agreement(values):
     # The agreement after step SPLIT_AT, the first time only: every rank's contribution
     # goes in; the dying rank then dies and the one "behind" never hears the result.
-    split = len(values) == 4 and state.step == SPLIT_AT and restart == 0
+    split = len(values) == 4 and state.step == SPLIT_AT and restart == 0 and not dies_in_sync
     if split and role == "dies":
         real(values)
         note("dies", step=state.step)
@@ -258,3 +263,23 @@ def test_a_sync_that_hands_out_another_ranks_state_is_one_clear_error(
     assert 0 not in codes, (codes, text)  # the job failed on every node
     # nothing trained on past the check
     assert not [e for e in events if e["event"] == "step" and e["world"] == 2], events
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_peer_dying_halfway_through_the_sync_is_undone_and_synced_again(
+    procs: Processes, etcd_v3_server: EtcdCluster, tmp_path: Path
+) -> None:
+    """The first sync of a 3-node job: every rank has handed out its snapshot when one
+    node dies (before the digests are compared). The other two put back what they held,
+    re-form as two and sync again: they train on from there and end with the exact
+    result; before, the broken sync was an error and both exited 1."""
+    events, outs, codes = run_split_job(procs, etcd_v3_server, tmp_path, "sync")
+    text = "\n".join(outs)
+    assert [e["role"] for e in events if e["event"] == "dies"] == ["dies"], text
+    assert "the state sync broke" in text, text
+    syncs = [e for e in events if e["event"] == "sync" and e["world"] == 2]
+    assert {e["role"] for e in syncs} == {"ahead", "behind"}, (events, text)
+    done = [e for e in events if e["event"] == "done"]
+    assert {(e["last"], e["step"], e["value"]) for e in done} == {(30, 30, reference())}, text
+    assert sorted(codes, key=str) == [-9, 0, 0], (codes, text)

@@ -25,7 +25,10 @@ boundary, re-creates the process group in the agent's new round, calls
 ``state.sync(world_size, rank)`` (the new ranks get the most tenured worker's state) and
 goes on: no process restart, nothing loaded from disk. When the agreement itself fails
 (a peer died mid-collective), the step is rolled back to its snapshot and the worker
-waits for the new round the same way; without a snapshot it cannot, and raises.
+waits for the new round the same way; without a snapshot it cannot, and raises. A sync
+that breaks the same way (a peer died while the state was handed out) is undone too:
+every rank puts back the state it held before it (a receiver may hold half of the
+source's), and the sync runs again in the next round (``_sync_through_breaks``).
 
 Every step (and every checkpoint save) calls ``elastic.heartbeat()``: under
 ``elastic run --stall-timeout`` the worker is judged by those heartbeats.
@@ -138,7 +141,7 @@ def train(
         with timed("checkpoint.load", GROUP):
             loaded = saver.load_latest(state.load)
         step = loaded or 0
-    step = _sync(state, step, world_size, rank)
+    step, world_size, rank = _sync_through_breaks(state, step, world_size, rank, in_place)
     saved_at = step
 
     retries = 0
@@ -169,7 +172,7 @@ def train(
                 file=sys.stderr,
             )
             world_size, rank = regroup.regroup(broken=True)
-            step = _sync(state, step, world_size, rank)
+            step, world_size, rank = _sync_through_breaks(state, step, world_size, rank, in_place)
             continue
         if any_failed:
             retries += 1
@@ -212,7 +215,42 @@ def train(
             mark_saved()
         if in_place and (preempted or changed):
             world_size, rank = regroup.regroup()
-            step = _sync(state, step, world_size, rank)
+            step, world_size, rank = _sync_through_breaks(state, step, world_size, rank, in_place)
+
+
+class SyncMismatchError(RuntimeError):
+    """After a sync the ranks do not all hold the most tenured rank's state: the same
+    error on every rank (a wrong ``State.sync``), never retried."""
+
+
+MAX_SYNC_BREAKS = 3  # syncs broken in a row (a peer died in each) before the worker gives up
+
+
+def _sync_through_breaks(
+    state: State, step: int, world_size: int, rank: int, in_place: bool
+) -> tuple[int, int, int]:
+    """``_sync``; when it breaks under a regrouping worker (a peer died while the state
+    was handed out), every rank puts back the state it held before it, the job re-forms
+    and the sync runs again in the new round. Returns (step, world_size, rank)."""
+    breaks = 0
+    while True:
+        snapshot = state.capture_snapshot() if in_place else None
+        try:
+            return _sync(state, step, world_size, rank), world_size, rank
+        except SyncMismatchError:
+            raise
+        except Exception as broke:
+            breaks += 1
+            if snapshot is None or breaks > MAX_SYNC_BREAKS:
+                raise
+            state.apply_snapshot(snapshot)  # a receiver may hold half of the source's
+            put_metric("rollback", 1, GROUP)
+            print(
+                f"elastic: the state sync broke ({broke!r}); put back, waiting for the job "
+                "to re-form",
+                file=sys.stderr,
+            )
+            world_size, rank = regroup.regroup(broken=True)
 
 
 def _sync(state: State, step: int, world_size: int, rank: int) -> int:
@@ -237,7 +275,7 @@ def _sync(state: State, step: int, world_size: int, rank: int) -> int:
     rows = _all_gather_ints(tenure.digest_words(before) + tenure.digest_words(after))
     differ = tenure.mismatched_ranks(rows, source)
     if differ:
-        raise RuntimeError(
+        raise SyncMismatchError(
             f"elastic.train: after State.sync, rank(s) {', '.join(map(str, differ))} of "
             f"{len(rows)} do not hold the state of rank {source}, the most tenured (step "
             f"{steps[source]}): sync must hand out the state of elastic.tenured_rank() (or "
