@@ -173,11 +173,11 @@ def test_sigkill_of_a_node(start_job: Callable[..., Setup], backend: str) -> Non
     print(f"{backend} SIGKILL: regrouped in {took:.2f}s")
 
 
-CUT_FOR = 15.0  # s the cable stays out
+CUT_FOR = 10.0  # s the cable stays out: over three heartbeat_timeouts
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2"])  # etcd: etcd-v2's code
 def test_cut_node_stops_its_workers_and_rejoins_after_heal(
     start_job: Callable[..., Setup], backend: str
 ) -> None:
