@@ -164,14 +164,9 @@ def train(
         except Exception as broke:  # the group broke under us: a peer died mid-step
             if not in_place or snapshot is None:
                 raise  # as before: the worker fails and the agent restarts it
-            state.apply_snapshot(snapshot)  # every survivor redoes this step
-            put_metric("rollback", 1, GROUP)
-            print(
-                f"elastic: train step {step + 1} broke ({broke!r}); rolled back, "
-                "waiting for the job to re-form",
-                file=sys.stderr,
-            )
-            world_size, rank = regroup.regroup(broken=True)
+            # every survivor redoes this step
+            what = f"train step {step + 1} broke ({broke!r}); rolled back"
+            world_size, rank = _undo_and_regroup(state, snapshot, what)
             step, world_size, rank = _sync_through_breaks(state, step, world_size, rank, in_place)
             continue
         if any_failed:
@@ -243,14 +238,19 @@ def _sync_through_breaks(
             breaks += 1
             if snapshot is None or breaks > MAX_SYNC_BREAKS:
                 raise
-            state.apply_snapshot(snapshot)  # a receiver may hold half of the source's
-            put_metric("rollback", 1, GROUP)
-            print(
-                f"elastic: the state sync broke ({broke!r}); put back, waiting for the job "
-                "to re-form",
-                file=sys.stderr,
-            )
-            world_size, rank = regroup.regroup(broken=True)
+            # a receiver may hold half of the source's state
+            what = f"the state sync broke ({broke!r}); put back"
+            world_size, rank = _undo_and_regroup(state, snapshot, what)
+
+
+def _undo_and_regroup(state: State, snapshot: Any, what: str) -> tuple[int, int]:
+    """A collective broke under this rank (a peer died): put ``snapshot`` back, say
+    ``what`` happened, and wait for the job to re-form with this rank's slot marked
+    broken. Returns (world_size, rank) in the new round."""
+    state.apply_snapshot(snapshot)
+    put_metric("rollback", 1, GROUP)
+    print(f"elastic: {what}, waiting for the job to re-form", file=sys.stderr)
+    return regroup.regroup(broken=True)
 
 
 def _sync(state: State, step: int, world_size: int, rank: int) -> int:
