@@ -19,9 +19,11 @@ meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from elastic.harness.accumulator import ACCUMULATOR_STATE
@@ -172,6 +174,19 @@ def expected_value(proc: subprocess.Popen[str]) -> int:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     return int(json.loads(out))
+
+
+@contextlib.contextmanager
+def reference_run(tmp_path: Path, steps: int = STEPS) -> Iterator[Callable[[], int]]:
+    """The undisturbed run (``reference``) beside a test's job: yields the call that waits
+    for its final value, and kills it on the way out if the test ended first."""
+    proc = reference(tmp_path, steps)
+    try:
+        yield lambda: expected_value(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def start_job(

@@ -24,9 +24,8 @@ from elastic.harness.regroup_job import (
     CHANGE_AT,
     FORM_TIMEOUT,
     PAUSE,
-    expected_value,
     finish,
-    reference,
+    reference_run,
     regroup_job,
 )
 
@@ -41,8 +40,7 @@ CUT_FOR = 13.0  # s after the worker got ready: past the count's 10 s unanswered
 def test_a_joiner_cut_off_while_its_worker_gets_ready_rejoins(
     cluster_factory: Make, tmp_path
 ) -> None:
-    ref = reference(tmp_path, STEPS)
-    try:
+    with reference_run(tmp_path, STEPS) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         running, joiner = nodes[:2], nodes[2]
@@ -64,11 +62,7 @@ def test_a_joiner_cut_off_while_its_worker_gets_ready_rejoins(
         time.sleep(CUT_FOR)
         cluster.heal(joiner)
         finish(job, nodes)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     text = job.nodes[joiner.name].text()
     assert "lost the rendezvous backend" not in text, job.texts()
     assert "cannot reach the rendezvous store" in text, text  # the count went unanswered

@@ -42,10 +42,9 @@ from elastic.harness.regroup_job import (
     JOIN_STEPS,
     PAUSE,
     STEPS,
-    expected_value,
     finish,
     last_step,
-    reference,
+    reference_run,
     regroup_job,
     start_job,
 )
@@ -94,8 +93,7 @@ def kept_in_place(
 def test_a_preempted_node_leaves_and_the_survivors_keep_their_processes(
     cluster_factory: Make, tmp_path: Path
 ) -> None:
-    ref = reference(tmp_path)
-    try:
+    with reference_run(tmp_path) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         # The hang watchdog follows the kept workers' pids into the new round: a stall
@@ -107,11 +105,7 @@ def test_a_preempted_node_leaves_and_the_survivors_keep_their_processes(
         code = job.nodes[victim.name].wait(timeout=40)
         assert code == 128 + signal.SIGTERM, f"{victim.name} exited {code}\n{job.texts()}"
         finish(job, survivors)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     figures = kept_in_place(job, signalled, 3, 2, survivors, value)
     print(f"SIGTERM: first step in the new world {figures['first_step']:.2f}s after the notice")
 
@@ -120,8 +114,7 @@ def test_a_preempted_node_leaves_and_the_survivors_keep_their_processes(
 def test_a_crashed_node_breaks_a_step_the_survivors_roll_back_and_regroup(
     cluster_factory: Make, tmp_path: Path
 ) -> None:
-    ref = reference(tmp_path)
-    try:
+    with reference_run(tmp_path) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         job = start_job(cluster, tmp_path, "2:3", nodes)
@@ -129,11 +122,7 @@ def test_a_crashed_node_breaks_a_step_the_survivors_roll_back_and_regroup(
         killed = time.time()
         victim.kill()  # the agent and its workers at once
         finish(job, survivors)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     figures = kept_in_place(job, killed, 3, 2, survivors, value)
     print(f"SIGKILL: first step in the new world {figures['first_step']:.2f}s after the kill")
 
@@ -156,8 +145,7 @@ def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
     spent. The other survivor's worker waits for it in a collective: its agent, reading
     the stacks, keeps it, whichever of the two nodes is the new round's rank 0 (the
     stuck one is chosen by its rank: a round keeps its members' order)."""
-    ref = reference(tmp_path)
-    try:
+    with reference_run(tmp_path) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         job = start_job(cluster, tmp_path, "2:3", nodes)
@@ -168,11 +156,7 @@ def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
         killed = time.time()
         nodes[2].kill()
         finish(job, nodes[:2])
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     stuck_text = job.nodes[stuck.name].text()
     assert node_rank(stuck_text) == stuck_rank, stuck_text  # the case this run covers
     assert "did not take the new round in time" in stuck_text, job.texts()
@@ -187,19 +171,14 @@ def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
 def test_a_joining_node_gets_the_state_and_the_others_keep_their_processes(
     cluster_factory: Make, tmp_path: Path
 ) -> None:
-    ref = reference(tmp_path, JOIN_STEPS)
-    try:
+    with reference_run(tmp_path, JOIN_STEPS) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         job = start_job(cluster, tmp_path, "2:3", nodes[:2], JOIN_STEPS)
         joined = time.time()
         job.start(nodes[2])
         finish(job, nodes)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     figures = kept_in_place(job, joined, 2, 3, nodes[:2], value, JOIN_STEPS)
     seen = read_events(job.workdir)
     newcomer = [e for e in seen if e["host"] == nodes[2].name and e["event"] == "sync"]
@@ -267,8 +246,7 @@ def test_a_job_that_finishes_while_a_node_joins_ends_with_success_everywhere(
     (10 steps left, less than the joiner's start-up), every agent, the joiner's too,
     meets at the new round's exit barrier and exits 0: no restart, no lost store."""
     steps = 25
-    ref = reference(tmp_path, steps)
-    try:
+    with reference_run(tmp_path, steps) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         job = regroup_job(
@@ -279,11 +257,7 @@ def test_a_job_that_finishes_while_a_node_joins_ends_with_success_everywhere(
         assert wait_until(late, 60), job.texts()
         job.start(nodes[2])
         finish(job, nodes)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     seen = read_events(job.workdir)
     assert not [e for e in seen if e["world"] == 3 and e["event"] == "step"], job.texts()
     done = [e for e in seen if e["event"] == "done"]

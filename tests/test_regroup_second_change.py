@@ -20,7 +20,7 @@ import pytest
 from elastic.harness.cluster import Cluster, Host
 from elastic.harness.multihost import FaultJob, wait_until
 from elastic.harness.preemption_job import read_events
-from elastic.harness.regroup_job import JOIN_STEPS, expected_value, finish, reference, start_job
+from elastic.harness.regroup_job import JOIN_STEPS, finish, reference_run, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,7 @@ def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str
 def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
     cluster_factory: Make, tmp_path
 ) -> None:
-    ref = reference(tmp_path, JOIN_STEPS)
-    try:
+    with reference_run(tmp_path, JOIN_STEPS) as expected:
         cluster = cluster_factory(4)
         nodes = list(cluster.hosts)
         kept, victim, joiner = nodes[:2], nodes[2], nodes[3]
@@ -60,11 +59,7 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
         killed = time.time()
         victim.kill()  # while the kept workers wait for the joiner's to get ready
         finish(job, [*kept, joiner])
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     seen = workers_kept(job, kept, killed)
     steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
     assert {e["host"] for e in steps_after} == {h.name for h in (*kept, joiner)}, steps_after
@@ -83,8 +78,7 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
     ready, another node joins. The first joiner's agent goes on to the round with the
     second (its new worker cannot regroup yet); the kept nodes must follow at once, not
     wait out their ready bound in a round nobody will complete and miss the next one."""
-    ref = reference(tmp_path, JOIN_STEPS)
-    try:
+    with reference_run(tmp_path, JOIN_STEPS) as expected:
         cluster = cluster_factory(4)
         nodes = list(cluster.hosts)
         kept = nodes[:2]
@@ -96,11 +90,7 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
         second = time.time()
         job.start(nodes[3])
         finish(job, nodes)
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     seen = workers_kept(job, kept, second)
     # one world at a time: the joiners never trained without the kept workers
     worlds = {e["world"] for e in seen if e["event"] == "step"}

@@ -23,7 +23,7 @@ import pytest
 from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
 from elastic.harness.preemption_job import read_events
-from elastic.harness.regroup_job import JOIN_STEPS, expected_value, finish, reference, start_job
+from elastic.harness.regroup_job import JOIN_STEPS, finish, reference_run, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,7 @@ Make = Callable[..., Cluster]
 def test_the_store_holder_leaving_while_a_joiner_gets_ready_keeps_the_workers(
     cluster_factory: Make, tmp_path
 ) -> None:
-    ref = reference(tmp_path, JOIN_STEPS)
-    try:
+    with reference_run(tmp_path, JOIN_STEPS) as expected:
         cluster = cluster_factory(4)
         nodes = list(cluster.hosts)
         holder, kept, joiner = nodes[0], nodes[1:3], nodes[3]
@@ -48,11 +47,7 @@ def test_the_store_holder_leaving_while_a_joiner_gets_ready_keeps_the_workers(
         os.kill(job.nodes[holder.name].proc.pid, signal.SIGTERM)  # while they get ready
         assert job.nodes[holder.name].wait(60) == 128 + signal.SIGTERM, job.texts()
         finish(job, [*kept, joiner])
-        value = expected_value(ref)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.communicate()
+        value = expected()
     texts = job.texts()
     assert "handed the c10d rendezvous store over" in texts, texts
     names = {h.name for h in kept}
