@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from elastic.harness.accumulator import ACCUMULATOR_STATE
 from elastic.harness.cluster import Cluster, Host
@@ -219,3 +220,19 @@ def finish(job: FaultJob, hosts: list[Host]) -> None:
     for host in hosts:
         code = job.nodes[host.name].wait(timeout=FINISH_TIMEOUT)
         assert code == 0, f"{host.name} exited {code}\n{job.texts()}"
+
+
+def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str, Any]]:
+    """Asserts no node restarted its workers on a regroup bound and ``kept``'s workers
+    were neither started again after ``since`` nor replaced (one pid each, ever); returns
+    the job's events."""
+    texts = job.texts()
+    assert "did not take the new round in time" not in texts, texts
+    names = {h.name for h in kept}
+    restarted = [r for r in job.starts() if r["host"] in names and r["t"] > since]
+    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
+    seen = read_events(job.workdir)
+    for host in kept:
+        pids = {e["pid"] for e in seen if e["host"] == host.name}
+        assert len(pids) == 1, f"{host.name} ran {pids}"
+    return seen

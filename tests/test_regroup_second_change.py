@@ -14,33 +14,21 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-from elastic.harness.cluster import Cluster, Host
-from elastic.harness.multihost import FaultJob, wait_until
-from elastic.harness.preemption_job import read_events
-from elastic.harness.regroup_job import JOIN_STEPS, finish, reference_run, start_job
+from elastic.harness.cluster import Cluster
+from elastic.harness.multihost import wait_until
+from elastic.harness.regroup_job import (
+    JOIN_STEPS,
+    finish,
+    reference_run,
+    start_job,
+    workers_kept,
+)
 
 pytestmark = pytest.mark.slow
 
 Make = Callable[..., Cluster]
-
-
-def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str, Any]]:
-    """Asserts no node restarted its workers on a regroup bound and ``kept``'s workers
-    were neither started again after ``since`` nor replaced (one pid each, ever); returns
-    the job's events."""
-    texts = job.texts()
-    assert "did not take the new round in time" not in texts, texts
-    names = {h.name for h in kept}
-    restarted = [r for r in job.starts() if r["host"] in names and r["t"] > since]
-    assert not restarted, f"kept workers started again: {restarted}\n{texts}"
-    seen = read_events(job.workdir)
-    for host in kept:
-        pids = {e["pid"] for e in seen if e["host"] == host.name}
-        assert len(pids) == 1, f"{host.name} ran {pids}"
-    return seen
 
 
 @pytest.mark.timeout(300)
