@@ -25,6 +25,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousStateError,
 )
 from elastic.core.rendezvous.round import records as R
+from elastic.core.rendezvous.round.presence import CONNECT_WAIT
 from elastic.harness.c10d_handlers import FAST, Make, c10d_handlers, rendezvous_all
 from elastic.plugins.rdzv_c10d import create_handler
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
@@ -586,6 +587,30 @@ def test_a_dead_process_is_lost_at_once_not_after_heartbeat_timeout(make: Make, 
     kill_presence(victim)
     assert wait_until(lambda: all(victim.node_id in h.lost_nodes() for h in others), 10)
     assert time.monotonic() - started < 2.5  # heartbeat_timeout is 30 s
+
+
+def test_a_member_that_never_connects_is_asked_and_lost_only_when_its_port_refuses(
+    make: Make,
+) -> None:
+    """A member killed after it joined a round, before it learnt the round formed, leaves
+    no presence connection to close. Rank 0 asks the port of a member that has not
+    connected ``CONNECT_WAIT`` into the round: refused, it is lost at once; a port that
+    answers (a live member slow to connect) is left to its heartbeat."""
+    handlers = [make(2, 3, heartbeat_timeout="30") for _ in range(3)]
+    for h in handlers:  # nobody connects to rank 0
+        assert h._monitor is not None
+        h._monitor.liveness.links.hello = None
+    infos = rendezvous_all(handlers)
+    formed = time.monotonic()
+    check_round(infos, 3)
+    alive, dead = [h for h, i in zip(handlers, infos, strict=True) if i.rank > 0]
+    dead._suspend_heartbeats()
+    kill_presence(dead)
+    others = [h for h in handlers if h is not dead]
+    assert wait_until(lambda: all(h.lost_nodes() == [dead.node_id] for h in others), 10)
+    assert time.monotonic() - formed < CONNECT_WAIT + 1.5  # heartbeat_timeout is 30 s
+    time.sleep(1.0)
+    assert all(h.lost_nodes() == [dead.node_id] for h in others)  # not the live one
 
 
 def test_a_presence_connection_that_comes_back_is_not_a_death(make: Make) -> None:

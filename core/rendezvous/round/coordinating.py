@@ -117,6 +117,7 @@ class Coordinator:
             members=[rec["id"] for rec in chosen],
             hosts=[_text(rec.get("host")) for rec in chosen],
             standbys=[_text(rec.get("standby")) for rec in chosen],
+            presence=[_presence_at(rec) for rec in chosen],
         )
         asg = R.Assignment(
             round=rnd,
@@ -188,6 +189,12 @@ def _counter(raw: bytes) -> int:
 def _port(value: Any) -> int:
     """A port from a join record; anything else (an older agent's record) is 0: none."""
     return value if isinstance(value, int) and 0 < value < 65536 else 0
+
+
+def _presence_at(record: dict[str, Any]) -> str:
+    """The "addr:port" of a joiner's presence port; "" when it has none."""
+    port = _port(record.get("presence"))
+    return f"{record['addr']}:{port}" if port else ""
 
 
 def _text(value: Any) -> str:

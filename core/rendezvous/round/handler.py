@@ -167,7 +167,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             try:
                 asg, rank = self.protocol.next_round()
                 # The serving ranks watch every member: they alone read the roster.
-                members = self.protocol.roster(asg.round).members if rank in SERVING_RANKS else []
+                roster = self.protocol.roster(asg.round) if rank in SERVING_RANKS else None
                 break
             except StoreTimeoutError as exc:  # an operation that should be instant hung
                 raise RendezvousConnectionError(
@@ -192,7 +192,8 @@ class RoundRendezvousHandler(RendezvousHandler):
                 time.sleep(RETRY_PAUSE)
         self._live_monitor()  # a store lost meanwhile is an error, not a round
         self._current = asg
-        monitor.set_round(asg, rank, self.protocol.outcome_sent, members)
+        members, ports = (roster.members, roster.presence) if roster is not None else ([], [])
+        monitor.set_round(asg, rank, self.protocol.outcome_sent, members, ports)
         self.round_formed(asg)
         return RendezvousInfo(
             store=self.job_store,

@@ -28,13 +28,17 @@ from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousStateError
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.links import PresenceLinks
-from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer
+from elastic.core.rendezvous.round.presence import CONNECT_WAIT, PresenceClient, PresenceServer
+from elastic.core.rendezvous.round.probe import refusing
 from elastic.core.rendezvous.round.signing import read_values
 
 log = logging.getLogger(__name__)
 
 # The ranks whose presence port is used: rank 0 and its deputy, rank 1.
 SERVING_RANKS = (0, 1)
+# s rank 0 waits for the ports of members that never connected to answer: a live agent's
+# accepts at once, a dead one's host refuses at once; silence leaves it to the heartbeats.
+PROBE_WAIT = 0.5
 
 
 @dataclass
@@ -158,6 +162,10 @@ class Liveness:
         # The last round and our rank in it while the job re-forms (``follow``).
         self.between: R.Assignment | None = None
         self.between_rank: int | None = None
+        # Rank 0: where the round's members' presence ports listen, and those already
+        # asked whether theirs still does (``_ask_silent``).
+        self._addresses: dict[str, str] = {}
+        self._asked: set[str] = set()
 
     def follow(
         self,
@@ -166,9 +174,11 @@ class Liveness:
         asg: R.Assignment | None,
         rank: int | None,
         others: list[str],
+        addresses: dict[str, str] | None = None,
     ) -> tuple[list[PresenceClient], bool]:
         """The round changes from ``last`` (our rank ``last_rank``) to ``asg`` (``rank``;
-        None: none runs); ``others``: its members but us, when we serve it. Returns the
+        None: none runs); ``others``: its members but us, when we serve it, and
+        ``addresses``: where their presence ports listen ("addr:port"). Returns the
         old round's connections, for the caller to stop out of its lock, and whether
         deaths were carried over (tick now)."""
         with self._lock:
@@ -188,6 +198,8 @@ class Liveness:
                 self._published = []
                 self.links.forget()
             keep = asg is None and self.between is not None
+            self._addresses = dict(addresses or {}) if rank == 0 and asg is not None else {}
+            self._asked = set()
         # A member connects to rank 0's presence port from the monitor thread, woken for
         # it now (not on the round's first tick, an interval later: a member killed in
         # its round's first second would be seen only after heartbeat_timeout); the
@@ -223,7 +235,38 @@ class Liveness:
             published = list(self._published)
         if not serving or self.presence is None:
             return None
-        return self.presence.next_due(published)
+        due = self.presence.next_due(published)
+        ask = self._silent_due()
+        return ask if due is None else due if ask is None else min(due, ask)
+
+    def _silent(self) -> tuple[list[str], float]:
+        """Rank 0: the members not yet asked that never connected, and when they are due
+        to be asked (``CONNECT_WAIT`` after the round was watched)."""
+        if self.presence is None:
+            return [], 0.0
+        with self._lock:
+            addresses, asked = self._addresses, self._asked
+        if not addresses:
+            return [], 0.0
+        quiet, since = self.presence.silent()
+        return [n for n in quiet if n not in asked and addresses.get(n)], since + CONNECT_WAIT
+
+    def _silent_due(self) -> float | None:
+        quiet, due = self._silent()
+        return due if quiet else None
+
+    def _ask_silent(self) -> set[str]:
+        """Rank 0: the members that never connected whose port refuses (their process is
+        gone: killed after they joined, before they learnt the round formed). Each is asked
+        once per round; one that answers is left to its heartbeat."""
+        quiet, due = self._silent()
+        if not quiet or time.monotonic() < due:
+            return set()
+        with self._lock:
+            addresses = self._addresses
+            self._asked.update(quiet)
+        refused = refusing([addresses[n] for n in quiet], PROBE_WAIT)
+        return {n for n in quiet if addresses[n] in refused}
 
     def members(
         self,
@@ -240,6 +283,7 @@ class Liveness:
         dead = self.links.gone()  # a serving rank's process died
         if self.presence is not None and rank in SERVING_RANKS:
             dead.update(self.presence.gone())  # these members' processes died
+            dead.update(self._ask_silent())  # and these, before they connected
         with self._lock:
             published = self._published
         new = sorted((set(stale) | dead) - set(published))

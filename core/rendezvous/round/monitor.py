@@ -153,14 +153,17 @@ class Monitor:
         rank: int | None,
         outcome_sent: float | None = None,
         members: Sequence[str] = (),
+        addresses: Sequence[str] = (),
     ) -> None:
         """The round this node is a member of (None: none runs); ``outcome_sent``: when
         the request that brought its outcome was sent (``Lease.arm``); ``members``: the
         round's, by rank: rank 0 watches their heartbeats (the others watch only rank 0's),
-        ranks 0 and 1 their presence connections."""
+        ranks 0 and 1 their presence connections; ``addresses``: where each member's
+        presence port listens ("addr:port", "" for none), for rank 0 to ask."""
         others = [m for m in members if m != self.node_id] if rank in SERVING_RANKS else []
+        ports = dict(zip(members, addresses, strict=False))
         with self._lock:
-            old, carried = self.liveness.follow(self._round, self._rank, asg, rank, others)
+            old, carried = self.liveness.follow(self._round, self._rank, asg, rank, others, ports)
             self._round, self._rank, self._others = asg, rank, others
             self.waiting, self.lost = 0, []
             self._events_seen = None

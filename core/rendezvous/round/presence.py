@@ -42,6 +42,9 @@ from elastic.core.rendezvous.round.signing import mac
 from elastic.core.tcpstore import limits
 
 BLIP_GRACE = 0.5  # s a closed connection may take to come back before it is a death
+# s a member of a new round has to connect before rank 0 asks its port whether its
+# process is still there (it connects the instant it learns the round formed).
+CONNECT_WAIT = 1.0
 HELLO_MAX = 512  # bytes of a hello line
 HELLO_WAIT = 2.0  # s a new connection has to say who it is
 NONCE_LEN = 32  # hex digits of rank 0's challenge (128 random bits)
@@ -127,6 +130,8 @@ class PresenceServer:
         self._members: set[str] = set()
         self._round = -1  # the round whose members count (``watch``)
         self._open: dict[str, int] = {}  # node -> live connections that proved it
+        self._newest: dict[str, int] = {}  # node -> the newest round a hello of it named
+        self._watched_at = time.monotonic()  # when ``watch`` named the round
         self._closed_at: dict[str, float] = {}  # node -> when its last one closed unasked
         self._conns: dict[socket.socket, _Conn] = {}
         # The connections yet to say hello, so the loop never scans every connection for
@@ -151,6 +156,19 @@ class PresenceServer:
             self._members = set(members)
             self._round = rnd
             self._closed_at.clear()
+            self._newest = {n: r for n, r in self._newest.items() if n in self._members}
+            self._watched_at = time.monotonic()
+
+    def silent(self) -> tuple[list[str], float]:
+        """Members that have not said hello for the watched round (nor closed a connection
+        that did), and when the round was watched (monotonic)."""
+        with self._lock:
+            quiet = [
+                n
+                for n in self._members
+                if self._newest.get(n, -1) < self._round and n not in self._closed_at
+            ]
+            return sorted(quiet), self._watched_at
 
     def gone(self, grace: float = BLIP_GRACE) -> list[str]:
         """Members whose every connection closed unasked at least ``grace`` s ago."""
@@ -265,6 +283,7 @@ class PresenceServer:
             self._unnamed.discard(conn)
             with self._lock:
                 self._open[node] = self._open.get(node, 0) + 1
+                self._newest[node] = max(conn.round, self._newest.get(node, -1))
                 self._closed_at.pop(node, None)
         if BYE.strip() in conn.buf:
             conn.said_bye = True

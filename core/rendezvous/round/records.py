@@ -249,6 +249,9 @@ class Roster:
     # Where each member keeps a store ready to take over the job's (c10d's handover,
     # "host:port"), "" for none.
     standbys: list[str] = field(default_factory=list)
+    # Where each member's presence port listens ("addr:port", "" for none): a serving rank
+    # asks one that never connected whether its process is still there (presence.py).
+    presence: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return dumps(asdict(self))
@@ -264,7 +267,7 @@ class Roster:
             raise RendezvousStateError(
                 f"rendezvous state key {key!r} is not a roster: {bytes(raw[:60])!r}"
             ) from None
-        lists = (roster.members, roster.hosts, roster.standbys)
+        lists = (roster.members, roster.hosts, roster.standbys, roster.presence)
         if roster.round != rnd or not all(_strings(x) for x in lists):
             raise RendezvousStateError(
                 f"rendezvous state key {key!r} holds no roster of round {rnd}: {bytes(raw[:60])!r}"
