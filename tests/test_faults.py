@@ -115,7 +115,7 @@ def regrouped(setup: Setup, survivors: list[Host], since: float, limit: float, w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2"])  # etcd: etcd-v2's code
 def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], backend: str) -> None:
     setup = start_job(backend)  # heartbeat defaults: 1 s, timeout 5 s
     victim = setup.victim()
@@ -159,7 +159,7 @@ def test_nodes_preempted_within_a_second_regroup_once(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2", "etcd"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3", "etcd-v2"])  # etcd: etcd-v2's code
 def test_sigkill_of_a_node(start_job: Callable[..., Setup], backend: str) -> None:
     setup = start_job(backend, FAST)
     victim = setup.victim()

@@ -39,6 +39,9 @@ TLS_KEYS = {
     "etcd": ("cacert", "cert", "key"),
 }
 BACKENDS = ["etcd-v2", "etcd"]
+# ``etcd`` is ``etcd-v2``'s code under torch's names and keys: both run what a name or a
+# key changes; what etcd itself does to the round (a restart, a member lost) runs once.
+ROUND_UNDER_ETCD = ["etcd-v2"]
 PREFIX = {"etcd-v2": "/elastic/rdzv", "etcd": "/elastic/etcd"}  # each backend's default
 
 
@@ -84,7 +87,7 @@ def test_unreachable_is_one_line_error(backend: str) -> None:
     assert "cannot reach etcd at http://127.0.0.1:" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ROUND_UNDER_ETCD)
 def test_etcd_restart_mid_rendezvous_and_mid_run(backend: str, etcd_server: EtcdCluster) -> None:
     # Heartbeat TTLs must outlast the etcd outage (TTLs keep running while it is down).
     hs = handlers(backend, etcd_server.endpoint, "restart", 2, keep_alive_max_attempt=12)
@@ -105,7 +108,7 @@ def test_etcd_restart_mid_rendezvous_and_mid_run(backend: str, etcd_server: Etcd
     shutdown(hs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ROUND_UNDER_ETCD)
 def test_one_member_of_three_killed(backend: str, etcd_cluster: EtcdCluster) -> None:
     hs = handlers(backend, etcd_cluster.endpoint, "cluster", 2)
     infos = rendezvous(hs)
