@@ -39,6 +39,8 @@ SERVING_RANKS = (0, 1)
 # s rank 0 waits for the ports of members that never connected to answer: a live agent's
 # accepts at once, a dead one's host refuses at once; silence leaves it to the heartbeats.
 PROBE_WAIT = 0.5
+# Ports asked at once at most (a descriptor each); the rest on the ticks that follow.
+PROBE_BATCH = 64
 
 
 @dataclass
@@ -262,6 +264,7 @@ class Liveness:
         quiet, due = self._silent()
         if not quiet or time.monotonic() < due:
             return set()
+        quiet = quiet[:PROBE_BATCH]
         with self._lock:
             addresses = self._addresses
             self._asked.update(quiet)
