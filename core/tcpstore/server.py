@@ -86,7 +86,12 @@ class TCPStoreServer:
         self._token = token  # a connection must prove it first (see the module)
         self.port: int = sock.getsockname()[1]
         # ``data``: served from the start
-        self._store: ServedStore[Peer] = ServedStore(dict(data or {}), self._update_events)
+        self._store: ServedStore[Peer] = ServedStore(
+            dict(data or {}), self._update_events, lambda key: self.on_delete(key)
+        )
+        # Called on the serving thread when a request deleted a key (what an owner in
+        # the same process would otherwise poll for: a standby store handed the job's).
+        self.on_delete: Callable[[bytes], object] = lambda key: None
         self._conns: dict[socket.socket, Peer] = {}
         # The connections with a deadline (usually a handful: a handshake or a request
         # under way), so the loop never scans every connection for one.

@@ -68,10 +68,17 @@ W = TypeVar("W", bound=Waiter)
 
 class ServedStore(Generic[W]):
     """The store of one server. ``wake(conn)`` is called when a parked connection was
-    answered by another one's request, so the server sends that answer."""
+    answered by another one's request, so the server sends that answer; ``deleted(key)``
+    when a request deleted ``key``."""
 
-    def __init__(self, data: dict[bytes, bytes], wake: Callable[[W], object]) -> None:
+    def __init__(
+        self,
+        data: dict[bytes, bytes],
+        wake: Callable[[W], object],
+        deleted: Callable[[bytes], object] = lambda key: None,
+    ) -> None:
         self.data = data
+        self._deleted = deleted  # told of each key a DELETE_KEY removed
         self.queues: dict[bytes, collections.deque[bytes]] = {}
         # Connections parked on each key, in the order they parked (a push wakes the first).
         self._waiters: dict[bytes, dict[W, None]] = {}
@@ -109,7 +116,10 @@ class ServedStore(Generic[W]):
             self.unpark(conn)
             out += wire.U8.pack(wire.WAIT_CANCELED)
         elif query is Query.DELETE_KEY:
-            out += wire.I64.pack(int(self.data.pop(key, None) is not None))
+            removed = self.data.pop(key, None) is not None
+            out += wire.I64.pack(int(removed))
+            if removed:
+                self._deleted(key)
         elif query is Query.GETNUMKEYS:
             out += wire.I64.pack(len(self.data))
         elif query is Query.LIST_KEYS:

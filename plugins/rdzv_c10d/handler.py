@@ -168,8 +168,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             lease_store = own_connection()  # the keep-alives' (``lease.py``)
             if self._server is None:
                 self._standby, standby = self._keep_standby(addr)
-                live = self._live_store
-                self._watch = Watch(self._candidates[0], params.run_id, self._token, live)
+                self._watch = self._watch_first_endpoint(params.run_id)
         super().__init__(
             params,
             settings,
@@ -193,6 +192,13 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
                 return server, net.join_host_port(host, port)
         server = TCPStoreServer(addr, 0, data=mark, token=self._token)
         return server, net.join_host_port(addr, server.port)
+
+    def _watch_first_endpoint(self, run_id: str) -> Watch:
+        """The redirecting watch; it looks once our standby's mark is deleted (handed over)."""
+        watch = Watch(self._candidates[0], run_id, self._token, self._live_store)
+        if self._standby is not None:
+            self._standby.on_delete = lambda key: watch.wake()
+        return watch
 
     def _live_store(self) -> tuple[str, Identity] | None:
         """(address, identity) of the moved store this node holds; None when it holds
@@ -227,7 +233,7 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
         move_connections(self._conns, target, job_prefix(self.run_id))
         if self._standby is None:
             self._standby, self.protocol.node["standby"] = self._keep_standby(self.addr)
-            self._watch = Watch(self._candidates[0], self.run_id, self._token, self._live_store)
+            self._watch = self._watch_first_endpoint(self.run_id)
         say(
             f"elastic: c10d: the run's store moved to {net.join_host_port(*target[:2])} "
             f"(generation {target[2][0]}) before this agent started; redirected to the run's "

@@ -109,7 +109,9 @@ def redirect_new_store(
 
 class Watch:
     """The holder's side: while ``live()`` names the moved store this node holds
-    (address, identity), redirect any other store that answers at the first endpoint."""
+    (address, identity), redirect any other store that answers at the first endpoint.
+    It sleeps until ``wake()`` (this node's standby was handed the store) or ``stop()``:
+    the members that hold nothing, all but one, do not look five times a second."""
 
     def __init__(
         self,
@@ -121,10 +123,16 @@ class Watch:
         self._args = (first, run_id, token)
         self._live = live
         self._stop = threading.Event()
+        self._woken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="c10d-redirect", daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """This node may hold a moved store now: look every ``WATCH_PERIOD`` from now on."""
+        self._woken.set()
+
     def _run(self) -> None:
+        self._woken.wait()
         while not self._stop.wait(WATCH_PERIOD):
             live = self._live()
             if live is None:
@@ -136,6 +144,7 @@ class Watch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._woken.set()
 
 
 def await_redirect(

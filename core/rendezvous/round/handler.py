@@ -214,9 +214,14 @@ class RoundRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         # Every node of a finished job closes it: the first writes the record, bumps the
         # events and wakes a forming round (several requests); the others find it closed.
-        if not self.protocol.is_closed():
+        if not self._known_closed() and not self.protocol.is_closed():
             self.protocol.set_closed()
         self._closed_here = True
+
+    def _known_closed(self) -> bool:
+        """The job is closed as far as this node already knows, without a store read:
+        it closed it, or its monitor read the closed mark (which is never taken back)."""
+        return self._closed_here or (self._monitor is not None and self._monitor.closed)
 
     def on_fenced(self, action: Callable[[int, float], None] | None) -> None:
         if self._monitor is not None:
@@ -279,12 +284,14 @@ class RoundRendezvousHandler(RendezvousHandler):
             finished = False
             try:
                 finished = self._current is not None and (
-                    self._closed_here or self.protocol.is_closed()
+                    self._known_closed() or self.protocol.is_closed()
                 )
             except RendezvousError:
                 pass
             if finished:
-                self._monitor.stop()
+                # Stopped, not joined: its thread ends while the keep-alive lands and
+                # "done" is written (it writes no beat), and is joined below.
+                self._monitor.stop(wait=False)
                 # "done" must be the last write to our beat: a keep-alive in flight lands
                 # first (else the store's host waits heartbeat_timeout for us at its exit).
                 self._monitor.lease.join(self.settings.heartbeat_interval)

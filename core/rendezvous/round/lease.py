@@ -54,10 +54,11 @@ WAIT, the coordinator's publishing) was sent before the outcome existed, and was
 answered; every peer's clock for this node's heartbeat in the new round starts at a read
 made after the outcome existed, so a lease counted from that send ends at least
 ``STOP_MARGIN`` before any verdict, by the argument above. A node that waited less than
-the lease therefore starts its round without a keep-alive round trip of its own (the
-keep-alive thread sends the next in the background: a node's first at once, then a
-period after the last): a round's members return one round trip sooner, and a thousand
-of them do not queue for it.
+the lease therefore starts its round without a keep-alive round trip of its own, and
+that request counts as its last keep-alive sent: the keep-alive thread sends the next a
+period after it. A round's members return one round trip sooner, and a thousand of them
+neither queue for a keep-alive nor send one each at the instant the round forms (the
+store answers their outcome reads and presence connections meanwhile).
 
 Once fenced the node stays fenced until its next round (``arm``): an acknowledgement that
 arrives after the lease ran out proves nothing about the time in between, when a peer may
@@ -131,6 +132,8 @@ class Lease:
         self._last_sent: float | None = None  # send time of the newest one, answered or not
         self._urgent = False  # send the next one at once (a wait in jeopardy goes on)
         self._armed = False  # judged only while this node is a member of a round
+        # A member whose lease was stale at ``arm``: armed once its keep-alive is answered.
+        self._arming = False
         self._expired: Expiry | None = None
         self._beating = True
         # Quiet until the node is a member of a round (``arm``) or coordinates one: until
@@ -188,8 +191,11 @@ class Lease:
         """A round with this node in it formed (``member``), or none is running. A new
         round starts unfenced. The request that brought the round's outcome, sent at
         ``outcome_sent`` and answered, counts as an acknowledged keep-alive (see the
-        module); a lease stale even so (a long wait) is renewed first, so the round does
-        not start fenced. The keep-alives go on from there, a period after the last.
+        module), and as the last one sent: the next goes out a period after it. A lease
+        stale even so (a long wait) is renewed first, so the round does not start
+        fenced: by the keep-alive thread, at once, and the judge starts once that is
+        answered (or failed), as if the caller had waited for it; the caller does not.
+        The keep-alives go on from there, a period after the last.
         ``term`` (the round) goes with an expiry, so a late one is never taken for the
         next round's."""
         with self._lock:
@@ -200,14 +206,15 @@ class Lease:
                 self._acked_sent is None or outcome_sent > self._acked_sent
             ):
                 self._acked_sent = outcome_sent
+            if outcome_sent is not None and (
+                self._last_sent is None or outcome_sent > self._last_sent
+            ):
+                self._last_sent = outcome_sent  # the next keep-alive: a period after it
             stale = self._acked_sent is None or self._left(time.monotonic()) < self.period
-        if member and stale:
-            try:
-                self.renew()
-            except (RendezvousConnectionError, RendezvousStateError):
-                pass  # not renewed: the judge fences once the old lease is over
-        with self._lock:
-            self._armed = member
+            self._armed = member and not stale
+            self._arming = member and stale
+            if self._arming:
+                self._urgent = True  # the keep-alive thread renews it now (``renew``)
         if member:
             self.set_quiet(False)
         JUDGES.wake(self)
@@ -247,6 +254,9 @@ class Lease:
         except BaseException:
             with self._lock:
                 self._in_flight = None
+                arming = self._end_arming()
+            if arming:  # not renewed: the judge fences once the old lease is over
+                JUDGES.wake(self)
             raise
         with self._lock:
             # Judged as of the answer, before it counts: a lease that ran out (and was
@@ -255,6 +265,7 @@ class Lease:
             self._judge(now)
             if self._acked_sent is None or sent > self._acked_sent:
                 self._acked_sent = sent
+            arming = self._end_arming()  # after the answer counted, as ``arm`` waited
             if self._expired is None and self._armed and self._left(now) < 0:
                 # Answered after a wait in jeopardy, too late to renew the lease: the next
                 # keep-alive goes out at once and carries the wait on.
@@ -263,6 +274,15 @@ class Lease:
             else:
                 self._in_flight = None
                 self._slow_noted = False
+        if arming:  # the round's lease, renewed: judged from now on
+            JUDGES.wake(self)
+
+    def _end_arming(self) -> bool:
+        """A keep-alive was answered (or failed): a lease ``arm`` found stale is judged
+        from now on. Whether it was; caller holds the lock."""
+        arming, self._arming = self._arming, False
+        self._armed = self._armed or arming
+        return arming
 
     def _next_due(self) -> float:
         """When the next keep-alive is due: a period after the last one was *sent* (after
@@ -276,7 +296,9 @@ class Lease:
         while not self._stop.is_set():
             with self._lock:
                 due = self._next_due()
-            idle = not self._beating or self._quiet  # until set_quiet(False) wakes us
+            # Until set_quiet(False) wakes us; a stale lease being armed is renewed even
+            # with keep-alives suspended, as ``arm`` always renewed it.
+            idle = not (self._beating or self._arming) or self._quiet
             self._wake_keeper.wait(None if idle else max(0.0, due - time.monotonic()))
             self._wake_keeper.clear()
             if self._stop.is_set():
@@ -284,7 +306,7 @@ class Lease:
             with self._lock:
                 due = self._next_due()
             # Woken early (quiet ended right after ``arm`` renewed): nothing is due yet.
-            if not self._beating or self._quiet or time.monotonic() < due:
+            if not (self._beating or self._arming) or self._quiet or time.monotonic() < due:
                 continue
             try:
                 self.renew()

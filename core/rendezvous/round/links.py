@@ -64,11 +64,13 @@ class PresenceLinks:
         with self._lock:
             return self._plan is not None or self._deputy_plan is not None
 
-    def connect(self) -> None:
+    def connect(self, deputy: bool = True) -> None:
         """Open the connections asked for (never blocks: clients connect on threads of
-        their own)."""
+        their own). ``deputy`` False: the job is closed (finished), it re-forms no more,
+        so a rank 0 that said goodbye leaves nothing to watch: no deputy connection (a
+        thousand members of a finished job would otherwise each open one as they exit)."""
         with self._lock:
-            plans = [(self._plan, 0), (self._deputy_plan, 1)]
+            plans = [(self._plan, 0), (self._deputy_plan if deputy else None, 1)]
             self._plan = self._deputy_plan = None
         for plan, serving in plans:
             made = None if plan is None else self._client(*plan, serving)

@@ -240,7 +240,8 @@ class Monitor:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self.liveness.links.connect()  # a new round's, at once (``set_round`` woke us)
+            # A new round's, at once (``set_round`` woke us); a closed job's deputy: none.
+            self.liveness.links.connect(deputy=not self.closed)
             now = time.monotonic()
             with self._lock:
                 woken, self._tick_now = self._tick_now, False
@@ -270,7 +271,7 @@ class Monitor:
                 return
 
     def _tick(self) -> None:
-        self.liveness.links.connect()
+        self.liveness.links.connect(deputy=not self.closed)
         with self._lock:
             asg, rank, watch, job_keys = self._round, self._rank, self._watch, self._job_keys
             others = self._others

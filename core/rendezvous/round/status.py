@@ -32,6 +32,17 @@ def _age(raw: bytes) -> float | None:
         return None
 
 
+def _beat_age(raw: bytes, formed_at: float | None) -> float | None:
+    """Seconds since a member's last sign of life: its newest keep-alive, or its round's
+    outcome when newer (it counts as the member's keep-alive, ``lease.py``: a member's
+    first of the round comes a period after it)."""
+    age = _age(raw)
+    if isinstance(formed_at, (int, float)) and formed_at > 0:
+        since = max(0.0, time.time() - formed_at)
+        age = since if age is None else min(age, since)
+    return age
+
+
 def _int(store: PrefixStore, key: str) -> int | None:
     if not store.check([key]):
         return None
@@ -58,7 +69,9 @@ def _join_records(store: PrefixStore, rnd: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _member(rank: int, node: str, raw: bytes, record: dict[str, Any]) -> MemberStatus:
+def _member(
+    rank: int, node: str, raw: bytes, record: dict[str, Any], formed_at: float | None
+) -> MemberStatus:
     fp = {str(k): str(v) for k, v in (record.get("fp") or {}).items()}
     nproc = fp.get("nproc_per_node", "")
     pid = record.get("pid")
@@ -68,7 +81,7 @@ def _member(rank: int, node: str, raw: bytes, record: dict[str, Any]) -> MemberS
         rank=rank,
         pid=pid if isinstance(pid, int) else None,
         local_world_size=int(nproc) if nproc.isdigit() else None,
-        heartbeat_age=None if raw in (R.DONE, R.LEFT) else _age(raw),
+        heartbeat_age=None if raw in (R.DONE, R.LEFT) else _beat_age(raw, formed_at),
         versions={k: fp[k] for k in VERSION_FIELDS if k in fp},
     )
 
@@ -107,7 +120,7 @@ def describe(
         beats = store.multi_get([R.hb_key(m) for m in members])
         joins = _join_records(store, formed.round)
         for rank, (node, raw) in enumerate(zip(members, beats, strict=True)):
-            status.members.append(_member(rank, node, raw, joins.get(node, {})))
+            status.members.append(_member(rank, node, raw, joins.get(node, {}), formed.formed_at))
         budget = formed.fingerprint.get("max_restarts", "")
         status.max_restarts = int(budget) if budget.isdigit() else None
         status.waiting = _int(store, R.count_key(formed.round + 1)) or 0
