@@ -12,7 +12,9 @@ in place. Events, one JSON line each in ``FAULTS_OUT/events.jsonl``: "start" (a 
 started), "sync" (after ``state.sync``), "step" (a step completed: its value), "done";
 each with the time, host, pid, and the rank, world and restart count of that moment.
 A file ``FAULTS_OUT/stall-<host>`` makes that host's worker sleep 30 s in its next step
-(and is removed): a worker that cannot reach a step boundary. ``REGROUP_HOLD_LAST=1``
+(and is removed): a worker that cannot reach a step boundary; ``late-<host>`` makes it
+sleep as long after its step's all_reduce, so the other ranks wait for it in the step
+agreement. ``REGROUP_HOLD_LAST=1``
 holds the last step until the agent asks for a regroup (the job finishes at the boundary
 meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 """
@@ -105,6 +107,10 @@ def train_step(state):
     state.value = advance(state.value, int(total.item()))
     state.step += 1
     note("step", state.step, value=state.value)
+    late = os.path.join(out, "late-" + rec["host"])
+    if os.path.exists(late):  # a test keeps the peers waiting in the step agreement
+        os.unlink(late)
+        time.sleep(float(os.environ.get("REGROUP_STALL", "30")))
     time.sleep(pause)
     return state.step >= steps
 
