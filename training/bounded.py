@@ -10,7 +10,7 @@ main thread from a C++ wait, so the main thread never enters one without a bound
 
 - ``wait_work`` waits for a collective's work in short slices;
 - ``meet`` gathers the ranks of a new round in Python (through the round's store)
-  before any enters gloo's full-mesh connect, which waits for every rank;
+  before the kept ones enter gloo's full-mesh connect, which waits for every rank;
 
 and each gives up (``RoundMoved``) once the agent has handed over a round newer than the
 one this worker runs in and ``GIVE_UP_AFTER`` s (plus the worker's last step) have passed
@@ -37,6 +37,9 @@ _POLL = 0.005
 # s one store call of ``meet`` may take (its host may be cut off)
 _STORE_CALL = datetime.timedelta(seconds=2)
 MEET_KEY = "elastic/meet"
+# s kept workers wait for ranks that never count themselves in at ``MEET_KEY`` (a joiner
+# whose script makes its group with torch's own init) before they go on to gloo's connect
+MEET_PATIENCE = 30.0
 # works given up on, by the group they belong to (``elastic.training.dist`` parks them)
 abandoned: list[Any] = []
 
@@ -82,17 +85,27 @@ def wait_work(work: Any, what: str) -> None:
             raise RoundMoved(f"{what} given up: the agent handed over a newer round")
 
 
-def meet(rank: int, world_size: int, addr: str, port: int, agent_store: bool) -> Any:
-    """Until every rank of the round reached this point, in Python; ``RoundMoved`` when
-    the agent moves on meanwhile (a rank of this round is gone). Returns the store the
-    round's rank 0 hosts (``multi_tenant``: torch's own creation of the group reuses its
-    server; keep it until then), or None on other ranks."""
+def meet(*, wait: bool, limit: float) -> Any:
+    """Count this rank in at the round's store (``MEET_KEY``) and, with ``wait``, wait in
+    Python until every rank of the round did; ``RoundMoved`` when the agent moves on
+    meanwhile (a rank of this round is gone). Kept workers wait (``rejoin_group``); new
+    ones only count themselves in (``elastic.init_process_group``): the kept ones may be
+    waiting for them. A rank that makes its group with torch's own init never counts:
+    after ``MEET_PATIENCE`` s the others go on to gloo's connect all the same.
+
+    Returns the store when this rank hosts it (rank 0, unless the agent's store serves the
+    workers): ``multi_tenant``, so torch's own creation of the group reuses its server;
+    keep it until then. None on other ranks, or when the store did not come up within
+    ``limit`` s (torch's creation then says what is wrong)."""
     from torch.distributed import TCPStore
 
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     watch = Watch()
-    hosting = rank == 0 and not agent_store
-    if not hosting:
-        _wait_for_port(addr, port, watch)
+    deadline = time.monotonic() + limit
+    if not hosting and not _wait_for_port(addr, port, watch, deadline):
+        return None
     store = _until(
         watch,
         lambda: TCPStore(
@@ -106,9 +119,12 @@ def meet(rank: int, world_size: int, addr: str, port: int, agent_store: bool) ->
         ),
     )
     _until(watch, lambda: store.add(MEET_KEY, 1))
+    patience = time.monotonic() + MEET_PATIENCE
     beat = 0.0
-    while _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
+    while wait and _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
         now = time.monotonic()
+        if now >= patience:
+            break
         if now >= beat:  # waiting for the round's ranks is not a stall
             heartbeat()
             beat = now + 1.0
@@ -128,16 +144,16 @@ def _until(watch: Watch, call: Any) -> Any:
             time.sleep(_POLL)
 
 
-def _wait_for_port(addr: str, port: int, watch: Watch) -> None:
-    """Until rank 0's store listens at ``addr:port``. Every rank learns a new round at
-    about the same moment; a client whose connection is refused backs off (torch's
-    TCPStore: hundreds of ms) although the store comes up a few ms later: polling the
-    port first takes that back-off out of a regroup."""
+def _wait_for_port(addr: str, port: int, watch: Watch, deadline: float) -> bool:
+    """Until rank 0's store listens at ``addr:port`` (True), or ``deadline`` (False).
+    Every rank learns a new round at about the same moment; a client whose connection is
+    refused backs off (torch's TCPStore: hundreds of ms) although the store comes up a
+    few ms later: polling the port first takes that back-off out of a regroup."""
     beat = 0.0
-    while True:
+    while time.monotonic() < deadline:
         try:
             socket.create_connection((addr, port), timeout=1.0).close()
-            return
+            return True
         except OSError:
             if watch.moved():
                 raise RoundMoved("the round's store did not come up: a newer round came") from None
@@ -146,7 +162,4 @@ def _wait_for_port(addr: str, port: int, watch: Watch) -> None:
             heartbeat()
             beat = now + 1.0
         time.sleep(_POLL)
-
-
-def use_agent_store() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return False

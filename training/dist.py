@@ -74,7 +74,10 @@ def init_process_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Workers kept from the last round wait for this before they stop to join us.
     control.set_mine(READY, 1)
+    # ... in the round's store: they wait there for every rank before gloo's connect
+    store = bounded.meet(wait=False, limit=timeout.total_seconds()) if control.available() else None
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
+    del store  # the group's own store shares its server now
     _made.update(backend=backend, timeout=timeout, kwargs=kwargs)
     _leave_at_exit()
     return backend
@@ -160,13 +163,7 @@ def rejoin_group() -> str:
 
     backend = _made.get("backend") or default_backend()
     timeout = _made.get("timeout", DEFAULT_TIMEOUT)
-    store = bounded.meet(
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        bounded.use_agent_store(),
-    )
+    store = bounded.meet(wait=True, limit=timeout.total_seconds())
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
     )
