@@ -122,6 +122,8 @@ def meet(*, wait: bool, limit: float) -> Any:
     patience = time.monotonic() + MEET_PATIENCE
     beat = 0.0
     while wait and _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
+        if watch.moved():
+            raise RoundMoved("the round's ranks did not meet: a newer round came")
         now = time.monotonic()
         if now >= patience:
             break
