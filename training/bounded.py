@@ -78,8 +78,9 @@ def wait_work(work: Any, what: str) -> None:
             work.wait(_SLICE)
             return
         except RuntimeError:
-            if work.is_completed():  # it failed: a peer closed its connections
-                raise
+            if work.is_completed():  # it ended since: its own outcome (a failure raises)
+                work.wait()
+                return
         if watch.moved():
             abandoned.append(work)
             raise RoundMoved(f"{what} given up: the agent handed over a newer round")
