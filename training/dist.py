@@ -107,6 +107,7 @@ def leave_group() -> None:
     if bounded.abandoned:
         _parked.append((dist.group.WORLD, list(bounded.abandoned)))
         bounded.abandoned.clear()
+        _leave_at_exit()  # a group the script made itself: kept past exit too
     dist.destroy_process_group()
     _parked[:] = [(group, works) for group, works in _parked if not _ended(works)]
 
