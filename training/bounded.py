@@ -40,7 +40,7 @@ MEET_KEY = "elastic/meet"
 # s kept workers wait for ranks that never count themselves in at ``MEET_KEY`` (a joiner
 # whose script makes its group with torch's own init) before they go on to gloo's connect
 MEET_PATIENCE = 30.0
-# works given up on, by the group they belong to (``elastic.training.dist`` parks them)
+# works of the current group given up on (``dist.leave_group`` parks them with the group)
 abandoned: list[Any] = []
 
 
