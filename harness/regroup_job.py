@@ -12,8 +12,12 @@ in place. Events, one JSON line each in ``FAULTS_OUT/events.jsonl``: "start" (a 
 started), "sync" (after ``state.sync``), "step" (a step completed: its value), "done";
 each with the time, host, pid, and the rank, world and restart count of that moment.
 A file ``FAULTS_OUT/stall-<host>`` makes that host's worker sleep 30 s in its next step
-(and is removed): a worker that cannot reach a step boundary. ``REGROUP_HOLD_LAST=1``
-holds the last step until the agent asks for a regroup (the job finishes at the boundary
+(and is removed): a worker that cannot reach a step boundary; ``late-<host>`` makes it
+sleep as long after its step's all_reduce, so the other ranks wait for it in the step
+agreement. With ``gone-before-connect-<host>``, a worker starting on that host says it is
+ready to join the round's group, writes ``ready-<host>`` and never connects: a member gone
+between joining a round and connecting to its group. ``REGROUP_HOLD_LAST=1`` holds the
+last step until the agent asks for a regroup (the job finishes at the boundary
 meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 """
 
@@ -105,10 +109,22 @@ def train_step(state):
     state.value = advance(state.value, int(total.item()))
     state.step += 1
     note("step", state.step, value=state.value)
+    late = os.path.join(out, "late-" + rec["host"])
+    if os.path.exists(late):  # a test keeps the peers waiting in the step agreement
+        os.unlink(late)
+        time.sleep(float(os.environ.get("REGROUP_STALL", "30")))
     time.sleep(pause)
     return state.step >= steps
 
 
+if os.path.exists(os.path.join(out, "gone-before-connect-" + rec["host"])):
+    # a test: this worker says it is about to join the round's group (as
+    # elastic.init_process_group does), then never connects, until its host is killed
+    from elastic.core.workers.control_file import READY
+    from elastic.training import control
+    control.set_mine(READY, 1)
+    open(os.path.join(out, "ready-" + rec["host"]), "w").close()
+    time.sleep(600)
 elastic.init_process_group(backend="gloo", timeout=60)
 note("start", 0)
 state = Accumulator()

@@ -6,8 +6,9 @@ steps with rollback and periodic checkpoints), ``dist`` (``elastic.init_process_
 (``elastic.heartbeat``: progress the watchdog reads), ``preemption``
 (``checkpoint_requested``/``checkpoint_saved``: the worker's side of a coordinated save),
 ``regroup`` (``membership_changed``/``regroup``: the worker's side of a regroup in
-place), ``control`` (the worker's end of the control file) and ``agent_file`` (mapping a
-file the agent shares).
+place), ``bounded`` (waits for peers that end once the agent hands over a newer round),
+``control`` (the worker's end of the control file) and ``agent_file`` (mapping a file
+the agent shares).
 
 Imported by worker processes only; torch is imported lazily, on first use. Imports
 core's ``workers`` (the control file), ``watchdog`` (the progress layout), ``metrics``

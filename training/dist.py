@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import os
-import socket
 import sys
-import time
 import traceback
 from typing import Any
 
 from elastic.core.workers.control_file import READY
-from elastic.training import control
+from elastic.training import bounded, control
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # How the default group was made here, so a regroup re-creates it alike.
 _made: dict[str, Any] = {}
 _exit_hook: list[bool] = []  # registered once per process
+# Groups left with a collective given up on (``bounded.wait_work``), and those works: the
+# group's destructor joins its gloo threads, one of which still waits for a peer that is
+# gone, until gloo's timeout. Kept here until those works end, so none is destroyed while
+# it waits.
+_parked: list[tuple[Any, list[Any]]] = []
 
 
 def default_backend() -> str:
@@ -70,7 +74,10 @@ def init_process_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Workers kept from the last round wait for this before they stop to join us.
     control.set_mine(READY, 1)
+    # ... in the round's store: they wait there for every rank before gloo's connect
+    store = bounded.meet(wait=False, limit=timeout.total_seconds()) if control.available() else None
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
+    del store  # the group's own store shares its server now
     _made.update(backend=backend, timeout=timeout, kwargs=kwargs)
     _leave_at_exit()
     return backend
@@ -79,7 +86,9 @@ def init_process_group(
 def leave_group() -> None:
     """Tear the default process group down, even when a peer died under it.
 
-    gloo's group is destroyed. NCCL communicators blocked on (or poisoned by) a dead peer
+    gloo's group is destroyed; one with a collective given up on (``bounded``) is only
+    dropped from torch's registry and kept (``_parked``) until that collective ends, as
+    its destroy would wait for it. NCCL communicators blocked on (or poisoned by) a dead peer
     would hang a plain destroy, so they are aborted first (``_abort_process_group``,
     torch 2.13). Tested on CPU (gloo) only."""
     import torch.distributed as dist
@@ -95,7 +104,25 @@ def leave_group() -> None:
         _abort_process_group()
         if not dist.is_initialized():
             return
+    if bounded.abandoned:
+        _parked.append((dist.group.WORLD, list(bounded.abandoned)))
+        bounded.abandoned.clear()
+        _leave_at_exit()  # a group the script made itself: kept past exit too
     dist.destroy_process_group()
+    _parked[:] = [(group, works) for group, works in _parked if not _ended(works)]
+
+
+def _ended(works: list[Any]) -> bool:
+    return all(work.is_completed() for work in works)
+
+
+def _keep_parked_past_exit() -> None:
+    """A parked group whose work still waits is never destroyed: at exit, where its
+    destructor would wait out gloo's timeout (or abort the worker in finalization), the
+    process ends with it alive."""
+    for group, works in _parked:
+        if not _ended(works):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _release_failed_call() -> None:
@@ -128,15 +155,20 @@ def _release_failed_call() -> None:
 
 
 def rejoin_group() -> str:
-    """Create the default group again from the (updated) environment, as it was made."""
+    """Create the default group again from the (updated) environment, as it was made.
+
+    The round's ranks first meet in Python (``bounded.meet``): gloo's connect waits for
+    every rank, and one that is gone would hold the others there for the whole timeout.
+    ``RoundMoved`` when the agent hands over a newer round before they all came."""
     import torch.distributed as dist
 
     backend = _made.get("backend") or default_backend()
     timeout = _made.get("timeout", DEFAULT_TIMEOUT)
-    _wait_for_store(timeout.total_seconds())
+    store = bounded.meet(wait=True, limit=timeout.total_seconds())
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
     )
+    del store  # the group's own store shares its server now
     _leave_at_exit()
     return backend
 
@@ -151,22 +183,5 @@ def _leave_at_exit() -> None:
     while every thread can still take the GIL."""
     if not _exit_hook:
         _exit_hook.append(True)
+        atexit.register(_keep_parked_past_exit)  # atexit runs handlers last in, first out
         atexit.register(leave_group)
-
-
-def _wait_for_store(limit: float) -> None:
-    """Until rank 0's new store listens at ``MASTER_ADDR:MASTER_PORT`` (or ``limit`` s).
-
-    Every rank learns a new round at about the same moment; a client whose connection is
-    refused backs off (torch's TCPStore: hundreds of ms) although the store comes up a few
-    ms later. Polling the port first every few ms takes that back-off out of a regroup."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        return
-    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(address, timeout=1.0).close()
-            return
-        except OSError:
-            time.sleep(0.005)

@@ -45,6 +45,7 @@ from elastic.core import checkpoint as ckpt
 from elastic.core.metrics import put_metric, timed
 from elastic.core.workers.control_file import DONE
 from elastic.training import control, regroup, tenure
+from elastic.training.bounded import wait_work
 from elastic.training.heartbeat import heartbeat
 from elastic.training.preemption import checkpoint_requested, checkpoint_saved, mark_saved
 from elastic.training.state import State
@@ -68,7 +69,7 @@ def _all_reduce_max(values: list[int]) -> list[int]:
     import torch
 
     tensor = torch.tensor(values, dtype=torch.int64, device=_device(dist))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    wait_work(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), "the step agreement")
     return [int(v) for v in tensor.tolist()]
 
 
@@ -79,7 +80,7 @@ def _all_gather_ints(values: list[int]) -> list[list[int]]:
 
     mine = torch.tensor(values, dtype=torch.int64, device=_device(dist))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    wait_work(dist.all_gather(every, mine, async_op=True), "the state sync's all_gather")
     return [[int(v) for v in t.tolist()] for t in every]
 
 

@@ -43,6 +43,7 @@ from elastic.core.workers.control_file import (
     stack_path,
 )
 from elastic.training import control
+from elastic.training.bounded import RoundMoved
 from elastic.training.dist import leave_group, rejoin_group
 from elastic.training.heartbeat import heartbeat
 
@@ -95,12 +96,17 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
     if broken:
         control.set_mine(BROKEN, joined + 1)
     leave_group()
-    generation, env = _wait_for_round(joined)
-    os.environ.update(env)
-    control.set_mine(JOINED, generation)  # the agent's acknowledgement: we are joining
-    control.set_mine(BROKEN, 0)
-    control.set_mine(SAVED, 0)  # a save on notice belonged to the round that is gone
-    rejoin_group()
+    while True:
+        generation, env = _wait_for_round(joined)
+        os.environ.update(env)
+        control.set_mine(JOINED, generation)  # the agent's acknowledgement: we are joining
+        control.set_mine(BROKEN, 0)
+        control.set_mine(SAVED, 0)  # a save on notice belonged to the round that is gone
+        try:
+            rejoin_group()
+            break
+        except RoundMoved:  # a rank of this round is gone: on to the newer one
+            joined = generation
     _last_boundary.clear()
     return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
 

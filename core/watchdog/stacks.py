@@ -38,8 +38,9 @@ _SETTLE = 0.05  # a dump file that stopped growing for this long is complete
 _HEADER = re.compile(r"^# elastic: pid (\d+) main thread (0x[0-9a-f]+)$", re.M)
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-# Frames that mean "inside a collective or a wait for peers" (innermost frames only).
-_WAITING = ("/torch/distributed/", "/torch/nn/parallel/distributed.py")
+# Frames that mean "inside a collective or a wait for peers" (innermost frames only):
+# elastic.train's own collectives wait in ``training/bounded.py`` (in slices).
+_WAITING = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/training/bounded.py")
 _WAITING_DEPTH = 2
 
 

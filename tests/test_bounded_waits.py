@@ -1,0 +1,101 @@
+"""``elastic.train``'s step agreement never outlasts its agent's newer round
+(``elastic.training.bounded``), on real gloo groups of local processes, each with a
+control file of its own as if on its own node (the test is their agents).
+
+Rank 2 stops (SIGSTOP): a peer gone without closing its connections, as a host cut off.
+Ranks 0 and 1 wait for it in the step agreement: they keep waiting while no newer round
+is handed over (a slow peer is no reason to give up), give up within a few seconds once
+one is, leave the group at once (the group, whose gloo thread still waits, is kept, not
+destroyed under it) and exit 0 without waiting out gloo's timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from elastic.core.workers.control_file import ControlFile
+from elastic.testing.ports import free_port
+from elastic.testing.waits import wait_until
+
+RANK = """
+import datetime, os, signal, time
+import torch, torch.distributed as dist
+from elastic.training import loop, regroup
+from elastic.training.bounded import RoundMoved
+from elastic.training.dist import leave_group
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))
+assert regroup.opt_in()
+dist.all_reduce(torch.ones(1))
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGSTOP)
+print("WAITING", flush=True)
+try:
+    loop._all_reduce_max([1, 0])
+    print("AGREED", flush=True)
+except RoundMoved:
+    print("MOVED", time.time(), flush=True)
+started = time.monotonic()
+leave_group()
+print("LEFT %.2f" % (time.monotonic() - started), flush=True)
+"""
+GLOO_TIMEOUT = 120  # s: far past every bound below
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.timeout(150)
+def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK.replace("GLOO_TIMEOUT", str(GLOO_TIMEOUT)))
+    port = str(free_port())
+    controls = [ControlFile(1, str(tmp_path)) for _ in range(3)]
+    procs, outs = [], []
+    try:
+        for rank, control in enumerate(controls):
+            out = tmp_path / f"out-{rank}"
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="3", **control.worker_env(0))
+            with open(out, "w") as stdout, open(tmp_path / f"err-{rank}", "w") as stderr:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script)], env=env, stdout=stdout, stderr=stderr
+                    )
+                )
+            outs.append(out)
+        survivors = outs[:2]
+        assert wait_until(lambda: all("WAITING" in lines(o) for o in survivors), 90)
+        time.sleep(GIVE_UP_LATER)  # no newer round: they wait on
+        assert all(lines(o) == ["WAITING"] for o in survivors), [lines(o) for o in survivors]
+        handed = time.time()
+        for control in controls[:2]:
+            control.hand_over({0: {}})
+        for proc in procs[:2]:
+            assert proc.wait(timeout=60) == 0, [lines(o) for o in outs]
+        for rank, out in enumerate(survivors):
+            waiting, moved, left = lines(out)
+            gave_up = float(moved.split()[1]) - handed
+            # 2 s after it (plus a step: none yet), far below gloo's timeout; loaded machines lag
+            assert waiting == "WAITING" and 2.0 <= gave_up < 15, (rank, moved, gave_up)
+            assert float(left.split()[1]) < 1.0, left  # left at once, gloo still waiting
+            assert "terminate called" not in (tmp_path / f"err-{rank}").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        for control in controls:
+            control.close()
+
+
+GIVE_UP_LATER = 3.0  # s without a newer round: longer than the wait once one comes
