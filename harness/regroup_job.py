@@ -238,6 +238,14 @@ def finish(job: FaultJob, hosts: list[Host]) -> None:
         assert code == 0, f"{host.name} exited {code}\n{job.texts()}"
 
 
+def all_done(seen: list[dict[str, Any]], workers: int, value: int, why: object = "") -> None:
+    """``workers`` workers finished with the undisturbed run's ``value``, and no restart was
+    spent; ``why``: what a failure shows besides."""
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == workers and {e["value"] for e in done} == {value}, (done, why)
+    assert {e["restart"] for e in seen} == {0}, f"a restart was spent {why}"
+
+
 def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str, Any]]:
     """Asserts no node restarted its workers on a regroup bound and ``kept``'s workers
     were neither started again after ``since`` nor replaced (one pid each, ever); returns

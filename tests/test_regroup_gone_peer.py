@@ -28,6 +28,7 @@ from elastic.harness.multihost import wait_until
 from elastic.harness.regroup_job import (
     JOIN_STEPS,
     PAUSE,
+    all_done,
     finish,
     reference_run,
     start_job,
@@ -59,9 +60,7 @@ def test_a_peer_cut_off_in_the_step_agreement_leaves_the_others_kept(
     seen = workers_kept(job, survivors, cut)
     after = [e for e in seen if e["event"] == "step" and e["world"] == 2 and e["t"] > cut]
     assert {e["host"] for e in after} == {h.name for h in survivors}, after
-    done = [e for e in seen if e["event"] == "done"]
-    assert len(done) == 2 and {e["value"] for e in done} == {value}, done
-    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    all_done(seen, 2, value)
     first = min(e["t"] for e in after)
     print(f"a peer cut off in the step agreement: first 2-rank step {first - cut:.2f}s after")
 
@@ -87,8 +86,6 @@ def test_a_joiner_gone_before_it_connects_leaves_the_others_kept(
     seen = workers_kept(job, kept, killed)
     after = [e for e in seen if e["event"] == "step" and e["t"] > killed]
     assert {e["world"] for e in after} == {3}, after
-    done = [e for e in seen if e["event"] == "done"]
-    assert len(done) == 3 and {e["value"] for e in done} == {value}, done
-    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    all_done(seen, 3, value)
     first = min(e["t"] for e in after)
     print(f"a joiner gone before it connects: first 3-rank step {first - killed:.2f}s after")

@@ -20,6 +20,7 @@ from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
 from elastic.harness.regroup_job import (
     JOIN_STEPS,
+    all_done,
     finish,
     reference_run,
     start_job,
@@ -51,9 +52,7 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
     seen = workers_kept(job, kept, killed)
     steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
     assert {e["host"] for e in steps_after} == {h.name for h in (*kept, joiner)}, steps_after
-    done = [e for e in seen if e["event"] == "done"]
-    assert len(done) == 3 and {e["value"] for e in done} == {value}, done
-    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    all_done(seen, 3, value)
     first = min(e["t"] for e in steps_after)
     print(f"a death during the join: first step of the 3-node world {first - killed:.2f}s after")
 
@@ -86,8 +85,6 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
     for host in nodes[2:]:
         alone = [e for e in seen if e["host"] == host.name and e["event"] == "step"]
         assert all(e["world"] >= 3 for e in alone), alone
-    done = [e for e in seen if e["event"] == "done"]
-    assert len(done) == 4 and {e["value"] for e in done} == {value}, done
-    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    all_done(seen, 4, value)
     first = min(e["t"] for e in seen if e["event"] == "step" and e["world"] == 4)
     print(f"a second joiner: first step of the 4-node world {first - second:.2f}s after it started")

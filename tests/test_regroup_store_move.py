@@ -22,7 +22,14 @@ from collections.abc import Callable
 import pytest
 from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
-from elastic.harness.regroup_job import JOIN_STEPS, finish, reference_run, start_job, workers_kept
+from elastic.harness.regroup_job import (
+    JOIN_STEPS,
+    all_done,
+    finish,
+    reference_run,
+    start_job,
+    workers_kept,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +58,7 @@ def test_the_store_holder_leaving_while_a_joiner_gets_ready_keeps_the_workers(
     assert "handed the c10d rendezvous store over" in texts, texts
     names = {h.name for h in kept}
     seen = workers_kept(job, kept, left)
-    done = [e for e in seen if e["event"] == "done"]
-    assert len(done) == 3 and {e["value"] for e in done} == {value}, (done, texts)
-    assert {e["restart"] for e in seen} == {0}, "a restart was spent"
+    all_done(seen, 3, value, texts)
     steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > left]
     assert {e["host"] for e in steps_after} == {*names, joiner.name}, steps_after
     first = min(e["t"] for e in steps_after)
