@@ -251,7 +251,14 @@ class Liveness:
         if not addresses:
             return [], 0.0
         quiet, since = self.presence.silent()
-        return [n for n in quiet if n not in asked and addresses.get(n)], since + CONNECT_WAIT
+        left = [n for n in quiet if n not in asked and addresses.get(n)]
+        if not left:
+            # Every member connected or was asked: none becomes silent again this round,
+            # so the monitor's wakes stop scanning the round's members for it.
+            with self._lock:
+                if self._addresses is addresses:
+                    self._addresses = {}
+        return left, since + CONNECT_WAIT
 
     def _silent_due(self) -> float | None:
         quiet, due = self._silent()
