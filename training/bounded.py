@@ -27,7 +27,7 @@ from typing import Any
 
 from elastic.core.workers.control_file import GENERATION_FIELD, JOINED, STEP_US
 from elastic.training import control
-from elastic.training.heartbeat import heartbeat
+from elastic.training.heartbeat import WaitBeat
 
 # s a wait goes on once a newer round is handed over, plus this worker's last step: less
 # than the agent's bound for taking a round (5 s plus twice the longest step).
@@ -121,16 +121,13 @@ def meet(*, wait: bool, limit: float) -> Any:
     )
     _until(watch, lambda: store.add(MEET_KEY, 1))
     patience = time.monotonic() + MEET_PATIENCE
-    beat = 0.0
+    beat = WaitBeat()
     while wait and _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
         if watch.moved():
             raise RoundMoved("the round's ranks did not meet: a newer round came")
-        now = time.monotonic()
-        if now >= patience:
+        if time.monotonic() >= patience:
             break
-        if now >= beat:  # waiting for the round's ranks is not a stall
-            heartbeat()
-            beat = now + 1.0
+        beat()
         time.sleep(_POLL)
     return store if hosting else None
 
@@ -152,7 +149,7 @@ def _wait_for_port(addr: str, port: int, watch: Watch, deadline: float) -> bool:
     Every rank learns a new round at about the same moment; a client whose connection is
     refused backs off (torch's TCPStore: hundreds of ms) although the store comes up a
     few ms later: polling the port first takes that back-off out of a regroup."""
-    beat = 0.0
+    beat = WaitBeat()
     while time.monotonic() < deadline:
         try:
             socket.create_connection((addr, port), timeout=1.0).close()
@@ -160,9 +157,6 @@ def _wait_for_port(addr: str, port: int, watch: Watch, deadline: float) -> bool:
         except OSError:
             if watch.moved():
                 raise RoundMoved("the round's store did not come up: a newer round came") from None
-        now = time.monotonic()
-        if now >= beat:
-            heartbeat()
-            beat = now + 1.0
+        beat()
         time.sleep(_POLL)
     return False

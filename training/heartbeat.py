@@ -44,6 +44,20 @@ def heartbeat() -> None:
     _pack(_map, 0, _count, _now())  # type: ignore[arg-type]
 
 
+class WaitBeat:
+    """Heartbeats while a worker waits for its agent or its peers (a wait is not a stall),
+    called on every poll of the wait: at most one a second."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            heartbeat()
+            self._next = now + 1.0
+
+
 def _reset_for_tests() -> None:
     """Forget the mapping (a test changes ``ELASTIC_PROGRESS_FILE``)."""
     global _map, _count, _off

@@ -45,7 +45,7 @@ from elastic.core.workers.control_file import (
 from elastic.training import control
 from elastic.training.bounded import RoundMoved
 from elastic.training.dist import leave_group, rejoin_group
-from elastic.training.heartbeat import heartbeat
+from elastic.training.heartbeat import WaitBeat
 
 # s a worker waits for its agent's next round: longer than the agent's own bound (its
 # rendezvous, join_timeout: 600 s by default); the agent stops the worker before that.
@@ -113,16 +113,13 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
 
 def _wait_for_round(joined: int) -> tuple[int, dict[str, str]]:
     deadline = time.monotonic() + ROUND_WAIT
-    beat = 0.0
+    beat = WaitBeat()
     while time.monotonic() < deadline:
         if control.header(GENERATION_FIELD) > joined:
             found = _read_round(joined)
             if found is not None:
                 return found
-        now = time.monotonic()
-        if now >= beat:  # waiting for the round is not a stall
-            heartbeat()
-            beat = now + 1.0
+        beat()
         time.sleep(_POLL)
     raise RuntimeError(f"no new round from the agent within {ROUND_WAIT:g}s")
 
