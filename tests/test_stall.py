@@ -264,6 +264,38 @@ def test_waiting_for_a_busy_peer_is_not_a_stall(tmp_path: Path) -> None:
     assert "stall" not in proc.stderr
 
 
+# A worker whose interpreter shuts down unregisters faulthandler: it no longer answers a
+# dump. This one does so by hand, then stays idle for `idle` s and exits 0.
+MUTE = """
+import faulthandler, signal, sys, time
+faulthandler.unregister(signal.SIGURG)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("idle", "stalls"), [(T + 0.5, False), (60.0, True)])
+def test_a_worker_that_does_not_answer_is_blamed_only_once_it_neither_answers_nor_exits(
+    tmp_path: Path, idle: float, stalls: bool
+) -> None:
+    from elastic.core.watchdog.stall import NO_ANSWER_GRACE
+
+    script = write_script(tmp_path, "mute.py", MUTE)
+    started = time.monotonic()
+    proc = run_elastic(
+        "run", "--standalone", f"--stall-timeout={T}", script, str(idle), timeout=90
+    )
+    took = time.monotonic() - started
+    if not stalls:  # it exited by itself within the grace: not a hang
+        assert proc.returncode == 0, proc.stderr
+        assert "stall" not in proc.stderr
+    else:
+        assert proc.returncode != 0, proc.stderr
+        assert "stuck at <no stack: the worker did not answer>" in proc.stderr
+        assert T + NO_ANSWER_GRACE <= took < T + NO_ANSWER_GRACE + 10 * MARGIN, took
+
+
 @pytest.mark.timeout(60)
 def test_heartbeat_is_cheap_and_a_no_op_outside_elastic(tmp_path: Path) -> None:
     from elastic.core.watchdog.beats import ENV_PROGRESS, ProgressFile

@@ -9,7 +9,8 @@ waiting one is stalled only when nothing else progressed for the timeout either,
 node or, through the store, on any other (``job_channel``): a rank waiting in
 ``init_process_group`` for a peer that is still importing torch is not a hang.
 
-**Then**, within the timeout plus a monitor interval plus a CPU sample, the agent
+**Then**, within the timeout plus a monitor interval plus a CPU sample (plus
+``NO_ANSWER_GRACE`` for a worker that does not answer its dump), the agent
 (1) tells the other agents (``agent/stall/<round>``), (2) dumps the stacks of every thread
 of every local worker, (3) waits until every agent has dumped its own (at most
 ``PEER_WAIT``), (4) SIGKILLs the stalled workers and those idle for ``PEER_IDLE`` s, and
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from elastic.core.watchdog.watch import WorkerWatch
 
 PEER_IDLE = 1.0  # a worker idle this long when a stall is found is reported with it
+# A registered worker that does not answer a dump is either exiting (the interpreter's
+# shutdown unregisters faulthandler's handlers) or truly stuck (stopped, in D state, or the
+# script took the signal): it is blamed only once it has neither answered nor exited for this
+# long, so a worker on its way out is not taken for a hung one.
+NO_ANSWER_GRACE = 2.0
 PEER_FAILED = WorkerVerdict()  # another node's stall ends this attempt
 
 
@@ -52,13 +58,14 @@ class StallDetector:
         self.watch = watch
         self.timeout = timeout
         self._waiting: dict[int, tuple[float, bool]] = {}  # rank -> (classified at, waiting)
+        self._unanswered: dict[int, float] = {}  # rank -> when it first did not answer a dump
         self._job: JobStallChannel | None = None
         self._unpublished: set[int] | None = None  # stall records the agent has yet to publish
 
     # --- hooks ------------------------------------------------------------------------------
     @hookimpl
     def elastic_workers_started(self) -> None:
-        self._waiting, self._unpublished = {}, None
+        self._waiting, self._unanswered, self._unpublished = {}, {}, None
         w = self.watch
         if w.nodes > 1 and w.store is not None:
             self._job = JobStallChannel(w.store, w.round, w.nodes, self.timeout, w.local_progress)
@@ -83,7 +90,11 @@ class StallDetector:
         ]
         if not candidates:
             return None
-        culprits = [p for p in candidates if not self._is_waiting(p, alive[p.local_rank].pid)]
+        waiting = {p.local_rank: self._is_waiting(p, alive[p.local_rank].pid) for p in candidates}
+        candidates = [p for p in candidates if waiting[p.local_rank] is not None]
+        if not candidates:
+            return None
+        culprits = [p for p in candidates if not waiting[p.local_rank]]
         if culprits:
             return self._report(alive, mono, culprits, found_here=True)
         last = max(p.last_progress for p in tracked.values())
@@ -116,16 +127,22 @@ class StallDetector:
             self._job.stop()
             self._job = None
 
-    def _is_waiting(self, p: WorkerProgress, pid: int) -> bool:
+    def _is_waiting(self, p: WorkerProgress, pid: int) -> bool | None:
         """Whether ``p``'s main thread waits in a collective, from a fresh dump when the
-        last one is older than its progress or than a quarter of the timeout."""
+        last one is older than its progress or than a quarter of the timeout. None (not a
+        candidate yet; asked again each check) while it has not answered for less than
+        ``NO_ANSWER_GRACE``; after that it is not waiting."""
         at, waiting = self._waiting.get(p.local_rank, (-1.0, False))
         mono = time.monotonic()
         stale = at < p.last_progress or mono - at > min(max((self.timeout or 4) / 4, 1.0), 10.0)
         if stale and p.local_rank in self.watch.stack_files:
             target = {p.local_rank: (pid, self.watch.stack_files[p.local_rank])}
             dump = stacks.dump_stacks(target, wait=0.5).get(p.local_rank)
-            waiting = dump is not None and dump.waiting_in() is not None
+            if dump is None:
+                first = self._unanswered.setdefault(p.local_rank, mono)
+                return None if mono - first < NO_ANSWER_GRACE else False
+            self._unanswered.pop(p.local_rank, None)
+            waiting = dump.waiting_in() is not None
             self._waiting[p.local_rank] = (mono, waiting)
         return waiting
 
