@@ -283,9 +283,7 @@ def test_a_worker_that_does_not_answer_is_blamed_only_once_it_neither_answers_no
 
     script = write_script(tmp_path, "mute.py", MUTE)
     started = time.monotonic()
-    proc = run_elastic(
-        "run", "--standalone", f"--stall-timeout={T}", script, str(idle), timeout=90
-    )
+    proc = run_elastic("run", "--standalone", f"--stall-timeout={T}", script, str(idle), timeout=90)
     took = time.monotonic() - started
     if not stalls:  # it exited by itself within the grace: not a hang
         assert proc.returncode == 0, proc.stderr
