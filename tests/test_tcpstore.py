@@ -211,6 +211,27 @@ def test_wait_on_several_keys_needs_all_of_them(server: TCPStoreServer, connect:
     thread.join(10)
 
 
+@pytest.mark.timeout(60)
+def test_clients_heard_within_counts_the_talking_and_the_parked(
+    server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    silent, talker, waiter = (connect(server.port) for _ in range(3))
+    thread = threading.Thread(
+        target=lambda: waiter.wait(["never"], timedelta(seconds=20)), daemon=True
+    )
+    thread.start()
+    time.sleep(0.5)
+    talker.add("k", 1)  # a SET has no answer: an ADD is surely served once it returns
+    assert server.clients == 3
+    assert server.clients_heard_within(0.3) == 2  # the talker and the parked waiter
+    silent.add("k", 1)
+    assert server.clients_heard_within(0.3) == 3
+    time.sleep(0.5)
+    assert server.clients_heard_within(0.3) == 1  # only the parked waiter
+    talker.set("never", b"1")
+    thread.join(10)
+
+
 @pytest.mark.timeout(120)
 def test_concurrent_clients_add_atomically(server: TCPStoreServer, connect: ClientFactory):
     shared = connect(server.port)  # one client used from every thread: the lock

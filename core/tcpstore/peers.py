@@ -51,6 +51,7 @@ class Peer:
         "authenticated",
         "guest",
         "challenge",
+        "heard",
     )
 
     def __init__(self, sock: socket.socket, peer: str, authenticated: bool) -> None:
@@ -71,6 +72,7 @@ class Peer:
         self.guest = False  # served without the token, away from the members' keys
         # (the client's, ours) once AUTH_HELLO was answered (``admission``).
         self.challenge: tuple[bytes, bytes] | None = None
+        self.heard = time.monotonic()  # when it last sent anything
 
 
 def recv(peer: Peer, size: int) -> bytes:

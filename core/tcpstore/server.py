@@ -122,6 +122,13 @@ class TCPStoreServer:
         """Connections open now."""
         return len(self._conns)
 
+    def clients_heard_within(self, seconds: float) -> int:
+        """Connections that sent something in the last ``seconds``, or wait parked in a
+        WAIT for a key: those whose other end is likely still there."""
+        since = time.monotonic() - seconds
+        peers = list(self._conns.values())  # one step under the GIL: the loop may add more
+        return sum(1 for p in peers if p.heard >= since or p.missing is not None)
+
     def clear(self, keep_prefix: bytes = b"") -> int:
         """Delete every key that does not start with ``keep_prefix``; how many went.
 
@@ -293,6 +300,7 @@ class TCPStoreServer:
         chunk = recv(conn, self._admission.recv_size(conn, RECV_SIZE))
         if not chunk:
             return
+        conn.heard = time.monotonic()
         self._admission.charge(conn, received=len(chunk))
         conn.parser.feed(chunk)
 

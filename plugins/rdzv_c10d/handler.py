@@ -387,9 +387,12 @@ class C10dRendezvousHandler(RoundRendezvousHandler):
             deadline = time.monotonic() + self.settings.close_timeout
             self.wait_for_members(self.settings.close_timeout)
             # Other jobs (other run ids) may share this endpoint, and a node of ours may
-            # still be on its way out: serve while anyone else is connected, bounded.
+            # still be on its way out: serve while anyone else is connected, bounded. A
+            # connection silent for a heartbeat timeout is not on its way out: its node is
+            # cut off or gone (every live agent keeps alive more often than that).
             self.close_stores()
-            while self._server.clients and time.monotonic() < deadline:
+            silent = self.settings.heartbeat_timeout
+            while self._server.clients_heard_within(silent) and time.monotonic() < deadline:
                 time.sleep(0.02)  # a local count: looking often costs nothing
             if self._server.clients:
                 log.warning(
