@@ -6,6 +6,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from elastic.core.workers.logs import (
     tail_lines,
 )
 from elastic.core.workers.process import CONSOLE
+from elastic.harness.commands import run_elastic, write_script
 
 
 def test_layout_matches_torchrun(tmp_path: Path) -> None:
@@ -55,6 +57,29 @@ def test_default_log_dir_is_a_torchelastic_temp_dir() -> None:
     layout = LogLayout("job")
     assert layout.log_dir is not None
     assert os.path.basename(layout.log_dir).startswith("torchelastic_")
+    layout.tidy()
+    assert not os.path.exists(layout.log_dir)
+
+
+def test_tidy_removes_only_an_empty_temp_dir_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        empty, written = LogLayout("job"), LogLayout("job")
+    finally:
+        tempfile.tempdir = None
+    empty.attempt(0, 2)
+    logs = written.attempt(0, 1)
+    Path(logs[0].error_file).write_text("{}")
+    named = LogLayout("job", str(tmp_path / "named"))
+    named.attempt(0, 1)
+    for layout in (empty, written, named):
+        layout.tidy()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [os.path.basename(written.log_dir or ""), "named"]
+    )
 
 
 def test_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
@@ -174,3 +199,24 @@ def test_failure_record_from_stderr_tail(tmp_path: Path) -> None:
     assert rec.signal == "SIGKILL" and rec.exit_code == -9 and rec.timestamp == 123.5
     assert rec.stderr_path == str(stderr) and rec.stdout_path is None
     assert rec.error_file is None  # the worker wrote none: do not point at a missing file
+
+
+@pytest.mark.timeout(120)
+def test_a_run_leaves_no_empty_log_dir_behind_but_keeps_one_with_an_error_file(
+    tmp_path: Path,
+) -> None:
+    ok = write_script(tmp_path, "ok.py", "print('ok')")
+    failing = write_script(
+        tmp_path, "fail.py", "import elastic\n\n@elastic.record\ndef main():\n    1 / 0\n\nmain()"
+    )
+    for script, code, kept in ((ok, 0, 0), (failing, 1, 1)):
+        temp = tmp_path / f"temp-{code}"
+        temp.mkdir()
+        proc = run_elastic(
+            "run", "--standalone", "--nproc-per-node=2", script, env={"TMPDIR": str(temp)}
+        )
+        assert proc.returncode == code, proc.stderr
+        left = [p for p in temp.iterdir() if p.name.startswith("torchelastic_")]
+        assert len(left) == kept, left
+        if kept:
+            assert list(left[0].rglob("error.json")), list(left[0].rglob("*"))

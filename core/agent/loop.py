@@ -164,6 +164,8 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                 self._handler.shutdown()
             if self._coordinator is not None:
                 self._coordinator.control.close()
+            if self._layout is not None:
+                self._layout.tidy()
             self._group.state = result.state
             # Even when the agent raised: the built-ins close their servers on it.
             self._notify("elastic_run_end", result=result, duration=time.monotonic() - started)

@@ -68,12 +68,14 @@ class LogLayout:
     suffix: str | None = None
     run_dir: str | None = None
     attempt_dir: str | None = None  # the current attempt's directory, once made
+    made_temp: bool = field(default=False, init=False)  # log_dir is a temp dir we made
 
     def __post_init__(self) -> None:
         if self.log_dir == os.devnull:
             return
         if not self.log_dir:
             self.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+            self.made_temp = True
         elif os.path.isfile(self.log_dir):
             raise NotADirectoryError(f"log_dir: {self.log_dir} is a file")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -120,6 +122,16 @@ class LogLayout:
                 setattr(logs, name, dest)
             result[rank] = logs
         return result
+
+    def tidy(self) -> None:
+        """Remove the temporary directory this layout made when nothing was written under
+        it: torchrun leaves one per run in the temp dir, thousands after a while. A
+        directory the user named, or one that holds a log or an error file, stays."""
+        if not self.made_temp or self.log_dir is None:
+            return
+        if any(files for _, _, files in os.walk(self.log_dir)):
+            return
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def _console_only(self, rank: int) -> WorkerLogs:
         shown = self.local_ranks_filter is None or rank in self.local_ranks_filter
