@@ -17,8 +17,10 @@ from elastic.core.interfaces.job_keys import FAILED_KEY
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousFencedError,
     RendezvousGracefulExitError,
     RendezvousInfo,
+    RendezvousStoreGoneError,
 )
 from elastic.core.interfaces.spec import RunResult, WorkerSpec, WorkerState
 from elastic.core.plugin.config import ElasticConfig
@@ -250,6 +252,31 @@ def test_membership_change_restarts_without_using_the_budget(tmp_path: Path) -> 
 class BrokenStoreHandler(LocalRendezvousHandler):
     def lost_nodes(self) -> list[str]:
         raise RendezvousConnectionError("store at 10.0.0.1:29400 is gone")
+
+
+@pytest.mark.parametrize(
+    ("raised", "seen"),
+    [
+        (RendezvousConnectionError("no answer in 10.0s"), RendezvousFencedError),
+        (RendezvousStoreGoneError("nothing serves it"), RendezvousStoreGoneError),
+    ],
+)
+def test_a_store_unanswered_while_the_job_re_forms_fences_and_a_store_gone_ends(
+    raised: Exception, seen: type[Exception]
+) -> None:
+    """A store call of the in-place regroup's own waits (the readiness count) that goes
+    unanswered is a partition: fence and rejoin (the loop's path for fenced), never exit;
+    a store its host says is gone stays final."""
+    from elastic.core.agent.outcome import Outcome
+
+    agent = LocalElasticAgent(make_spec(LocalRendezvousHandler("job"), ("-c", "pass"), 1))
+
+    def regroup(outcome: Outcome) -> None:
+        raise raised
+
+    agent._regroup_in_place = regroup  # type: ignore[method-assign]
+    with pytest.raises(seen):
+        agent._regroup_across_moves(Outcome.LOST_NODE)
 
 
 def test_connection_error_fails_with_one_line(

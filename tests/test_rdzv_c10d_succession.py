@@ -226,6 +226,8 @@ def test_a_set_sent_while_the_store_moves_is_applied_at_the_new_store() -> None:
         mover.join()
         assert move.conn.where == f"127.0.0.1:{move.standby.port}"
         assert view.where == move.conn.where  # messages name the store where it is now
+        # the client found by probing (2 s) carries the connection's own timeout now
+        assert move.conn._current().timeout == 5.0
         with TCPStoreClient("127.0.0.1", move.standby.port, 5.0) as check:
             assert check.multi_get(["k"], False) == [b"v"]
             raw = check.multi_get([identity_key("job")], False)[0]

@@ -59,6 +59,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousMismatchError,
+    RendezvousStoreGoneError,
     RendezvousStoreMovedError,
 )
 from elastic.core.interfaces.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -294,6 +295,16 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     raise
                 say(f"elastic: {exc}; the workers regroup in place", logging.WARNING)
                 outcome = Outcome.LOST_NODE
+            except RendezvousStoreGoneError:
+                raise
+            except RendezvousConnectionError as exc:
+                # A count of the regroup's own waits (the nodes' readiness) unanswered:
+                # a partition, as on every decision path (``BoundedCalls``), so this node
+                # stops its workers and rejoins; it never exits for it.
+                raise RendezvousFencedError(
+                    f"cannot reach the rendezvous store while the job re-forms ({exc}): "
+                    "stopping this node's workers; it rejoins when the store answers"
+                ) from exc
 
     def _decide(self, info: RendezvousInfo, end: AttemptEnd) -> RunResult | None:
         outcome = end.outcome

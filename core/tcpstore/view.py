@@ -152,6 +152,9 @@ class Connection:
         return True
 
     def _move_to(self, host: str, port: int, client: TCPStoreClient) -> None:
+        # The locator's client was made to probe (a short timeout); from now on it carries
+        # this connection's calls, bounded like every other one.
+        client.timeout = self.timeout
         with self._lock:
             old, self._client = self._client, client
             self.host, self.port, self.where = host, port, f"{host}:{port}"
