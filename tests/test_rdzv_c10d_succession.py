@@ -25,6 +25,7 @@ from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
 from elastic.plugins.rdzv_c10d.succession import (
     IDLE,
     LEAVING,
+    PROBE_TIMEOUT,
     STANDBY_KEY,
     Succession,
     copy_into,
@@ -367,3 +368,31 @@ def test_a_moved_store_is_taken_only_with_the_run_s_identity_and_the_newest() ->
         gone.close()
         for server in servers.values():
             server.close()
+
+
+def test_a_cut_off_successor_does_not_delay_finding_the_moved_store() -> None:
+    """A successor that accepts connections and never answers (its host cut off) holds
+    up only its own probe: the store that moved is found at once, not after PROBE_TIMEOUT
+    (probed one after another, each pass waited for it, past the members' 4 s lease)."""
+    import socket
+
+    key = wire_key(identity_key("job"))
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    moved = TCPStoreServer("127.0.0.1", 0, data={key: b"1 b"})
+    gone = TCPStoreServer("127.0.0.1", 0)
+    conn = Connection("127.0.0.1", gone.port, 5.0)
+    try:
+        mine = Succession("job", [("127.0.0.1", 1)], None)
+        mine.successors = [("127.0.0.1", silent.getsockname()[1]), ("127.0.0.1", moved.port)]
+        mine.learn(b"0 a")
+        started = time.monotonic()
+        found = mine.find(conn)
+        took = time.monotonic() - started
+        assert found is not None and found[1] == moved.port, found
+        found[2].close()
+        assert took < PROBE_TIMEOUT / 2, took
+    finally:
+        conn.close()
+        gone.close()
+        moved.close()
+        silent.close()

@@ -57,6 +57,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from typing import overload
 
 from elastic.core.interfaces.rendezvous import (
@@ -78,9 +79,15 @@ IDLE, LEAVING, RECEIVING = b"idle", b"leaving", b"receiving"
 # keys takes milliseconds for small jobs, about a second for a thousand nodes.
 HANDOVER_WAIT = 10.0
 PROBE_TIMEOUT = 2.0  # s for a standby (or a candidate endpoint) to answer a probe
+# Candidates probed at once when the store stopped answering: a cut-off one is silent for
+# PROBE_TIMEOUT, and probed one after another it held up the search past a lease (4 s).
+PROBE_THREADS = 8
+REPROBE = 0.05  # s between a candidate's probes while a handover is under way
+SETTLE = 0.2  # s the other candidates get to answer once one holds the run's store
 CHUNK_BYTES = 4 << 20  # per MULTI_SET of a handover, well under a request's 64 MiB cap
 
 Identity = tuple[int, str]  # (generation, nonce)
+Probed = tuple[bytes, "Identity | None", TCPStoreClient]  # a store's mark, identity, a client
 
 
 def identity_key(run_id: str) -> str:
@@ -160,7 +167,7 @@ class Succession:
             )
         self.learn(raw)
 
-    def probe(self, host: str, port: int) -> tuple[bytes, Identity | None, TCPStoreClient] | None:
+    def probe(self, host: str, port: int) -> Probed | None:
         """(its mark, its identity of this run, a client on it) for the store at
         host:port; None when nothing answers there."""
         try:
@@ -175,40 +182,79 @@ class Succession:
         return mark, parse_identity(raw), client
 
     def find(self, conn: Connection) -> tuple[str, int, TCPStoreClient] | None:
-        """Where the store moved after ``conn``'s stopped answering: the unmarked store
-        of the highest acceptable generation among the successors. None at once when it
-        did not move (every one an idle or leaving standby: its holder died), after
-        ``HANDOVER_WAIT`` when a handover never ends."""
+        """Where the store moved after ``conn``'s stopped answering: the unmarked store of
+        the highest acceptable generation among the successors. They are probed at once,
+        each again as soon as its last probe ended, so a host that is cut off (silent for
+        ``PROBE_TIMEOUT``) delays no other. None once every one was heard from and none
+        is receiving (it did not move: its holder died), after ``HANDOVER_WAIT`` when a
+        handover never ends."""
         here = (conn.host, conn.port)
         redirect = [self.redirect] if self.redirect is not None else []
         candidates = [
             c for c in dict.fromkeys([*redirect, *self.successors]) if c not in (here, self._first)
         ]
+        if not candidates:
+            return None
+        workers = min(len(candidates), PROBE_THREADS)
+        pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="store-probe")
+        try:
+            return self._search(pool, candidates, conn)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _search(
+        self,
+        pool: futures.ThreadPoolExecutor,
+        candidates: list[tuple[str, int]],
+        conn: Connection,
+    ) -> tuple[str, int, TCPStoreClient] | None:
         deadline = time.monotonic() + HANDOVER_WAIT
-        while candidates and time.monotonic() < deadline and not conn.closed:
-            moving = False
-            best: tuple[Identity, str, int, TCPStoreClient] | None = None
-            for host, port in candidates:
-                found = self.probe(host, port)
-                if found is None:
-                    continue
-                mark, ident, client = found
-                moving = moving or receiving(mark)
-                newer = best is None or (ident is not None and ident[0] > best[0][0])
-                if mark or ident is None or not self.acceptable(ident) or not newer:
-                    client.close()
-                    continue
+        flying: dict[futures.Future[Probed | None], tuple[str, int]] = {}
+        heard: set[tuple[str, int]] = set()
+        moving: set[tuple[str, int]] = set()  # those receiving the store when last probed
+        try:
+            while time.monotonic() < deadline and not conn.closed:
+                busy = set(flying.values())
+                for candidate in candidates:
+                    if candidate not in busy:
+                        flying[pool.submit(self.probe, *candidate)] = candidate
+                done, _ = futures.wait(
+                    list(flying), deadline - time.monotonic(), futures.FIRST_COMPLETED
+                )
+                if any(_acceptable_store(f, self) for f in done):
+                    # Of the run's stores, the newest: let the others answer too (one cut
+                    # off does not in this time, and cannot be the store anyway).
+                    more, _ = futures.wait([f for f in flying if f not in done], SETTLE)
+                    done |= more
+                best: tuple[Identity, str, int, TCPStoreClient] | None = None
+                for future in done:
+                    host, port = flying.pop(future)
+                    heard.add((host, port))
+                    moving.discard((host, port))
+                    found = future.result()
+                    if found is None:
+                        continue
+                    mark, ident, client = found
+                    if receiving(mark):
+                        moving.add((host, port))
+                    newer = best is None or (ident is not None and ident[0] > best[0][0])
+                    if mark or ident is None or not self.acceptable(ident) or not newer:
+                        client.close()
+                        continue
+                    if best is not None:
+                        best[3].close()
+                    best = (ident, host, port, client)
                 if best is not None:
-                    best[3].close()
-                best = (ident, host, port, client)
-            if best is not None:
-                ident, host, port, client = best
-                self.learn(f"{ident[0]} {ident[1]}".encode())
-                return host, port, client
-            if not moving:
-                return None
-            time.sleep(0.05)
-        return None
+                    ident, host, port, client = best
+                    self.learn(f"{ident[0]} {ident[1]}".encode())
+                    return host, port, client
+                if len(heard) == len(candidates) and not moving:
+                    return None
+                time.sleep(REPROBE)
+            return None
+        finally:
+            for future in flying:  # probes still under way: their clients are nobody's
+                future.add_done_callback(_close_probed)
 
     def serving_elsewhere(self) -> bool:
         """Whether another candidate endpoint holds this run's store, or is receiving
@@ -307,6 +353,20 @@ def offer(standby: str, sender: str, timeout: float, token: bytes | None) -> TCP
         pass
     client.close()
     return None
+
+
+def _acceptable_store(future: futures.Future[Probed | None], succession: Succession) -> bool:
+    found = future.result()
+    if found is None or found[0] or found[1] is None:
+        return False
+    return succession.acceptable(found[1])
+
+
+def _close_probed(future: futures.Future[Probed | None]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        found = future.result()
+        if found is not None:
+            found[2].close()
 
 
 def copy_into(client: TCPStoreClient, data: dict[bytes, bytes]) -> None:
