@@ -52,12 +52,13 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.timeout(150)
-def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
-    tmp_path: Path,
-) -> None:
+def three_ranks_one_stopped(tmp_path: Path, source: str) -> list[list[str]]:
+    """Runs ``source`` as ranks 0-2, each with a control file of its own; rank 2 stops
+    itself. Once ranks 0 and 1 print WAITING, and still after ``GIVE_UP_LATER`` s without
+    a newer round, their agents hand one over; returns what the two printed, each line
+    with the time since that hand-over where the line gives one."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK.replace("GLOO_TIMEOUT", str(GLOO_TIMEOUT)))
+    script.write_text(source.replace("GLOO_TIMEOUT", str(GLOO_TIMEOUT)))
     port = str(free_port())
     controls = [ControlFile(1, str(tmp_path)) for _ in range(3)]
     procs, outs = [], []
@@ -82,13 +83,16 @@ def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
             control.hand_over({0: {}})
         for proc in procs[:2]:
             assert proc.wait(timeout=60) == 0, [lines(o) for o in outs]
-        for rank, out in enumerate(survivors):
-            waiting, moved, left = lines(out)
-            gave_up = float(moved.split()[1]) - handed
-            # 2 s after it (plus a step: none yet), far below gloo's timeout; loaded machines lag
-            assert waiting == "WAITING" and 2.0 <= gave_up < 15, (rank, moved, gave_up)
-            assert float(left.split()[1]) < 1.0, left  # left at once, gloo still waiting
+        for rank in (0, 1):
             assert "terminate called" not in (tmp_path / f"err-{rank}").read_text()
+        printed = []
+        for out in survivors:
+            rows = []
+            for line in lines(out):
+                word, *rest = line.split()
+                rows.append(f"{word} {float(rest[0]) - handed:.2f}" if word in TIMED else line)
+            printed.append(rows)
+        return printed
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -96,6 +100,64 @@ def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
                 proc.wait()
         for control in controls:
             control.close()
+
+
+TIMED = ("MOVED", "BROKE")  # lines whose number is a time.time()
+
+
+def gave_up_in_time(line: str, word: str) -> None:
+    """``word`` came 2 s after the hand-over (plus a step: none yet), far below gloo's
+    timeout; loaded machines lag."""
+    name, after = line.split()
+    assert name == word and 2.0 <= float(after) < 15, line
+
+
+@pytest.mark.timeout(150)
+def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
+    tmp_path: Path,
+) -> None:
+    for rows in three_ranks_one_stopped(tmp_path, RANK):
+        waiting, moved, left = rows
+        assert waiting == "WAITING", rows
+        gave_up_in_time(moved, "MOVED")
+        assert float(left.split()[1]) < 1.0, left  # left at once, gloo still waiting
+
+
+# The script's own collective (not elastic.train's): freed by cutting its group's sockets.
+OWN_COLLECTIVE = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from elastic.training import regroup
+from elastic.training.dist import init_process_group, leave_group
+
+rank = int(os.environ["RANK"])
+init_process_group("gloo", timeout=GLOO_TIMEOUT)
+assert regroup.opt_in()
+dist.all_reduce(torch.ones(1))
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGSTOP)
+print("WAITING", flush=True)
+try:
+    dist.all_reduce(torch.ones(1))
+    print("REDUCED", flush=True)
+except RuntimeError as exc:
+    print("BROKE", time.time(), flush=True)
+    print(repr(exc), file=sys.stderr)
+started = time.monotonic()
+leave_group()
+print("LEFT %.2f" % (time.monotonic() - started), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_the_script_s_own_collective_with_a_gone_peer_breaks_once_a_newer_round_comes(
+    tmp_path: Path,
+) -> None:
+    for rows in three_ranks_one_stopped(tmp_path, OWN_COLLECTIVE):
+        waiting, broke, left = rows
+        assert waiting == "WAITING", rows
+        gave_up_in_time(broke, "BROKE")
+        assert float(left.split()[1]) < 5.0, left
 
 
 GIVE_UP_LATER = 3.0  # s without a newer round: longer than the wait once one comes

@@ -11,6 +11,9 @@ re-formed the job without host 2, want them to take the new round, and the agent
 restart them (new processes, the state kept in place lost). They give up the agreement
 once the new round is handed over, roll the step back and re-form in the same processes.
 
+Host 2's worker sleeps before its step's all_reduce instead: the others wait in the
+script's own collective, which only cutting their group's sockets ends (``sever``).
+
 A node joins; its new worker says it is ready to join the round's group, then its host
 dies before it connects. The kept workers, taking that round, would wait in gloo's
 creation of the group (rank 0's store waiting for every rank, the full-mesh connect) for
@@ -63,6 +66,35 @@ def test_a_peer_cut_off_in_the_step_agreement_leaves_the_others_kept(
     all_done(seen, 2, value)
     first = min(e["t"] for e in after)
     print(f"a peer cut off in the step agreement: first 2-rank step {first - cut:.2f}s after")
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_cut_off_in_the_script_s_own_collective_leaves_the_others_kept(
+    cluster_factory: Make, tmp_path: Path
+) -> None:
+    """Host 2's worker sleeps before its step's all_reduce, so the others wait in the
+    script's own collective (not elastic.train's); its cable is cut. Their group's
+    sockets are shut down once the new round is handed over (``training/sever.py``): the
+    all_reduce fails, the step is rolled back and they regroup in the same processes."""
+    with reference_run(tmp_path) as expected:
+        cluster = cluster_factory(3)
+        nodes = list(cluster.hosts)
+        job = start_job(cluster, tmp_path, "2:3", nodes)
+        victim, survivors = nodes[2], nodes[:2]
+        stall = job.workdir / f"stall-{victim.name}"
+        stall.touch()
+        assert wait_until(lambda: not stall.exists(), 30), job.texts()
+        time.sleep(3 * PAUSE)  # the others finished their step's work: in its all_reduce
+        cut = time.time()
+        cluster.cut(victim)
+        finish(job, survivors)
+        value = expected()
+    seen = workers_kept(job, survivors, cut)
+    after = [e for e in seen if e["event"] == "step" and e["world"] == 2 and e["t"] > cut]
+    assert {e["host"] for e in after} == {h.name for h in survivors}, after
+    all_done(seen, 2, value)
+    first = min(e["t"] for e in after)
+    print(f"a peer cut off in the script's collective: first 2-rank step {first - cut:.2f}s after")
 
 
 @pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ import traceback
 from typing import Any
 
 from elastic.core.workers.control_file import READY
-from elastic.training import bounded, control
+from elastic.training import bounded, control, sever
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -74,10 +74,12 @@ def init_process_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Workers kept from the last round wait for this before they stop to join us.
     control.set_mine(READY, 1)
+    before = sever.sockets() if control.available() else frozenset()
     # ... in the round's store: they wait there for every rank before gloo's connect
     store = bounded.meet(wait=False, limit=timeout.total_seconds()) if control.available() else None
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
     del store  # the group's own store shares its server now
+    sever.note(before)
     _made.update(backend=backend, timeout=timeout, kwargs=kwargs)
     _leave_at_exit()
     return backend
@@ -164,11 +166,13 @@ def rejoin_group() -> str:
 
     backend = _made.get("backend") or default_backend()
     timeout = _made.get("timeout", DEFAULT_TIMEOUT)
+    before = sever.sockets()
     store = bounded.meet(wait=True, limit=timeout.total_seconds())
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
     )
     del store  # the group's own store shares its server now
+    sever.note(before)
     _leave_at_exit()
     return backend
 

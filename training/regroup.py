@@ -42,7 +42,7 @@ from elastic.core.workers.control_file import (
     round_path,
     stack_path,
 )
-from elastic.training import control
+from elastic.training import control, sever
 from elastic.training.bounded import RoundMoved
 from elastic.training.dist import leave_group, rejoin_group
 from elastic.training.heartbeat import WaitBeat
@@ -64,6 +64,8 @@ def opt_in() -> bool:
         # The agent, its bound for taking a round run out, asks where this worker is:
         # waiting in a collective (a peer is stuck) or stuck itself (core/agent/regroup.py).
         install(stack_path(os.environ[ENV_CONTROL], control.slot_index()))
+        # The script's own collectives wait in C++: freed by cutting the group's sockets.
+        sever.start()
         control.set_mine(CAPABLE, 1)
     return True
 
