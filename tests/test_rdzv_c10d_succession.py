@@ -22,18 +22,15 @@ from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer
 from elastic.core.tcpstore.view import Connection, PrefixStore
 from elastic.harness.c10d_handlers import Make, c10d_handlers, rendezvous_all
 from elastic.plugins.rdzv_c10d.handler import C10dRendezvousHandler
+from elastic.plugins.rdzv_c10d.handover import copy_into, mark_leaving, next_generation, offer
 from elastic.plugins.rdzv_c10d.succession import (
     IDLE,
     LEAVING,
     PROBE_TIMEOUT,
     STANDBY_KEY,
     Succession,
-    copy_into,
     identity_key,
-    mark_leaving,
     new_identity,
-    next_generation,
-    offer,
     parse_identity,
     wire_key,
 )

@@ -36,6 +36,7 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 from elastic.core.tcpstore import TCPStoreServer
 from elastic.core.tcpstore.client import TOKEN_HINT
 from elastic.core.tcpstore.view import Connection, PrefixStore
+from elastic.plugins.rdzv_c10d.handover import copy_into, mark_leaving, next_generation, offer
 from elastic.plugins.rdzv_c10d.redirect import (
     ARRIVALS_KEY,
     REDIRECT_GRACE,
@@ -62,11 +63,7 @@ from elastic.plugins.rdzv_c10d.succession import (
     Identity,
     Succession,
     Successors,
-    copy_into,
-    mark_leaving,
     new_identity,
-    next_generation,
-    offer,
     order_successors,
     wire_key,
 )

@@ -84,7 +84,6 @@ PROBE_TIMEOUT = 2.0  # s for a standby (or a candidate endpoint) to answer a pro
 PROBE_THREADS = 8
 REPROBE = 0.05  # s between a candidate's probes while a handover is under way
 SETTLE = 0.2  # s the other candidates get to answer once one holds the run's store
-CHUNK_BYTES = 4 << 20  # per MULTI_SET of a handover, well under a request's 64 MiB cap
 
 Identity = tuple[int, str]  # (generation, nonce)
 Probed = tuple[bytes, "Identity | None", TCPStoreClient]  # a store's mark, identity, a client
@@ -221,33 +220,24 @@ class Succession:
                 done, _ = futures.wait(
                     list(flying), deadline - time.monotonic(), futures.FIRST_COMPLETED
                 )
-                if any(_acceptable_store(f, self) for f in done):
+                if any(self._holds_the_store(f.result()) for f in done):
                     # Of the run's stores, the newest: let the others answer too (one cut
                     # off does not in this time, and cannot be the store anyway).
                     more, _ = futures.wait([f for f in flying if f not in done], SETTLE)
                     done |= more
-                best: tuple[Identity, str, int, TCPStoreClient] | None = None
+                answers = []
                 for future in done:
-                    host, port = flying.pop(future)
-                    heard.add((host, port))
-                    moving.discard((host, port))
+                    candidate = flying.pop(future)
+                    heard.add(candidate)
+                    moving.discard(candidate)
                     found = future.result()
-                    if found is None:
-                        continue
-                    mark, ident, client = found
-                    if receiving(mark):
-                        moving.add((host, port))
-                    newer = best is None or (ident is not None and ident[0] > best[0][0])
-                    if mark or ident is None or not self.acceptable(ident) or not newer:
-                        client.close()
-                        continue
-                    if best is not None:
-                        best[3].close()
-                    best = (ident, host, port, client)
-                if best is not None:
-                    ident, host, port, client = best
-                    self.learn(f"{ident[0]} {ident[1]}".encode())
-                    return host, port, client
+                    if found is not None:
+                        answers.append((candidate, found))
+                        if receiving(found[0]):
+                            moving.add(candidate)
+                newest = self._newest(answers)
+                if newest is not None:
+                    return newest
                 if len(heard) == len(candidates) and not moving:
                     return None
                 time.sleep(REPROBE)
@@ -255,6 +245,29 @@ class Succession:
         finally:
             for future in flying:  # probes still under way: their clients are nobody's
                 future.add_done_callback(_close_probed)
+
+    def _holds_the_store(self, found: Probed | None) -> bool:
+        """Whether a probe found an unmarked store this node accepts as the run's."""
+        if found is None or found[0] or found[1] is None:
+            return False
+        return self.acceptable(found[1])
+
+    def _newest(
+        self, answers: list[tuple[tuple[str, int], Probed]]
+    ) -> tuple[str, int, TCPStoreClient] | None:
+        """Of the stores that answered, the run's of the highest generation (the first on
+        a tie); every other answer's client is closed."""
+        held = [(f[1], where, f[2]) for where, f in answers if self._holds_the_store(f)]
+        best = max(held, key=lambda h: h[0][0] if h[0] else -1, default=None)
+        for _, found in answers:
+            if best is None or found[2] is not best[2]:
+                found[2].close()
+        if best is None:
+            return None
+        ident, (host, port), client = best
+        assert ident is not None  # _holds_the_store
+        self.learn(f"{ident[0]} {ident[1]}".encode())
+        return host, port, client
 
     def serving_elsewhere(self) -> bool:
         """Whether another candidate endpoint holds this run's store, or is receiving
@@ -320,80 +333,8 @@ def order_successors(
     return ordered
 
 
-def mark_leaving(standby: tuple[str, int], token: bytes | None) -> bytes:
-    """Mark our own standby ``LEAVING`` unless a holder chose it first: its mark after
-    the compare_set (``LEAVING``, ``RECEIVING ...``, or ``IDLE`` when the key is gone:
-    the standby is the job's store now). ``b""`` when it does not answer."""
-    try:
-        client = TCPStoreClient(*standby, PROBE_TIMEOUT, token=token)
-    except (RendezvousConnectionError, RendezvousAuthError):  # nothing, or not ours
-        return b""
-    try:
-        return bytes(client.compare_set(STANDBY_KEY, IDLE, LEAVING))
-    except RendezvousConnectionError:
-        return b""
-    finally:
-        client.close()
-
-
-def offer(standby: str, sender: str, timeout: float, token: bytes | None) -> TCPStoreClient | None:
-    """A client on ``standby``'s store once it agreed to receive from ``sender`` (its
-    mark went from ``IDLE`` to ``RECEIVING sender``); None when it is leaving, busy with
-    another sender, not a standby, or does not answer."""
-    host, port = parse_endpoint(standby)
-    try:
-        client = TCPStoreClient(host, port, timeout, connect_timeout=PROBE_TIMEOUT, token=token)
-    except (RendezvousConnectionError, RendezvousAuthError):  # nothing there, or not ours
-        return None
-    mark = RECEIVING + b" " + sender.encode()
-    try:
-        if bytes(client.compare_set(STANDBY_KEY, IDLE, mark)) == mark:
-            return client
-    except RendezvousConnectionError:
-        pass
-    client.close()
-    return None
-
-
-def _acceptable_store(future: futures.Future[Probed | None], succession: Succession) -> bool:
-    found = future.result()
-    if found is None or found[0] or found[1] is None:
-        return False
-    return succession.acceptable(found[1])
-
-
 def _close_probed(future: futures.Future[Probed | None]) -> None:
     if not future.cancelled() and future.exception() is None:
         found = future.result()
         if found is not None:
             found[2].close()
-
-
-def copy_into(client: TCPStoreClient, data: dict[bytes, bytes]) -> None:
-    """Every key of ``data`` into the receiving standby, then its mark away: from then on
-    it is the job's store."""
-    for chunk in _chunks(data):
-        client.multi_set([k for k, _ in chunk], [v for _, v in chunk])
-    client.delete_key(STANDBY_KEY)  # answered: the copy is complete and applied
-
-
-def next_generation(data: dict[bytes, bytes], run_id: str) -> dict[bytes, bytes]:
-    """``data`` with the run's identity one generation on, and a new nonce."""
-    key = wire_key(identity_key(run_id))
-    current = parse_identity(data.get(key, b""))
-    return {**data, key: new_identity(current[0] + 1 if current else 1)}
-
-
-def _chunks(data: dict[bytes, bytes]) -> list[list[tuple[str, bytes]]]:
-    """The store's keys as a client names them (without the wire's prefix, which the
-    client adds again), in MULTI_SETs of at most about ``CHUNK_BYTES``."""
-    chunks: list[list[tuple[str, bytes]]] = [[]]
-    size = 0
-    for raw, value in data.items():
-        key = raw.decode("utf-8", "surrogateescape").removeprefix(wire.KEY_PREFIX)
-        if chunks[-1] and size + len(raw) + len(value) > CHUNK_BYTES:
-            chunks.append([])
-            size = 0
-        chunks[-1].append((key, value))
-        size += len(raw) + len(value)
-    return chunks
