@@ -1,12 +1,13 @@
-"""``elastic.train``'s step agreement never outlasts its agent's newer round
-(``elastic.training.bounded``), on real gloo groups of local processes, each with a
+"""A regrouping worker's waits never outlast its agent's newer round: ``elastic.train``'s
+step agreement (``elastic.training.bounded``) and the script's own collective
+(``elastic.training.sever``), on real gloo groups of local processes, each with a
 control file of its own as if on its own node (the test is their agents).
 
 Rank 2 stops (SIGSTOP): a peer gone without closing its connections, as a host cut off.
-Ranks 0 and 1 wait for it in the step agreement: they keep waiting while no newer round
-is handed over (a slow peer is no reason to give up), give up within a few seconds once
-one is, leave the group at once (the group, whose gloo thread still waits, is kept, not
-destroyed under it) and exit 0 without waiting out gloo's timeout."""
+Ranks 0 and 1 wait for it in the step agreement, or in an all_reduce: they keep waiting
+while no newer round is handed over (a slow peer is no reason to give up), give up within
+a few seconds once one is, leave the group soon (a group whose gloo thread still waits is
+kept, not destroyed under it) and exit 0 without waiting out gloo's timeout."""
 
 from __future__ import annotations
 
@@ -22,25 +23,29 @@ from elastic.core.workers.control_file import ControlFile
 from elastic.testing.ports import free_port
 from elastic.testing.waits import wait_until
 
+# A rank that waits with its peers, rank 2 stopped; {init} makes its group, {wait} waits.
 RANK = """
-import datetime, os, signal, time
+import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
 from elastic.training import loop, regroup
 from elastic.training.bounded import RoundMoved
-from elastic.training.dist import leave_group
+from elastic.training.dist import init_process_group, leave_group
 
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))
+{init}
 assert regroup.opt_in()
 dist.all_reduce(torch.ones(1))
 if rank == 2:
     os.kill(os.getpid(), signal.SIGSTOP)
 print("WAITING", flush=True)
 try:
-    loop._all_reduce_max([1, 0])
-    print("AGREED", flush=True)
+    {wait}
+    print("DONE", flush=True)
 except RoundMoved:
     print("MOVED", time.time(), flush=True)
+except RuntimeError as exc:
+    print("BROKE", time.time(), flush=True)
+    print(repr(exc), file=sys.stderr)
 started = time.monotonic()
 leave_group()
 print("LEFT %.2f" % (time.monotonic() - started), flush=True)
@@ -113,51 +118,36 @@ def gave_up_in_time(line: str, word: str) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_the_step_agreement_gives_up_a_gone_peer_once_a_newer_round_comes(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("init", "wait", "word", "leaves_within"),
+    [
+        # elastic.train's step agreement, bounded (torch's own init: nothing to cut): the
+        # group, whose gloo thread still waits, is kept and left at once
+        (
+            "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))",
+            "loop._all_reduce_max([1, 0])",
+            "MOVED",
+            1.0,
+        ),
+        # the script's own collective: freed by cutting its group's connections (sever)
+        (
+            "init_process_group('gloo', timeout=GLOO_TIMEOUT)",
+            "dist.all_reduce(torch.ones(1))",
+            "BROKE",
+            5.0,
+        ),
+    ],
+    ids=["step-agreement", "own-collective"],
+)
+def test_a_wait_with_a_gone_peer_ends_once_a_newer_round_comes(
+    tmp_path: Path, init: str, wait: str, word: str, leaves_within: float
 ) -> None:
-    for rows in three_ranks_one_stopped(tmp_path, RANK):
-        waiting, moved, left = rows
+    source = RANK.replace("{init}", init).replace("{wait}", wait)
+    for rows in three_ranks_one_stopped(tmp_path, source):
+        waiting, gave_up, left = rows
         assert waiting == "WAITING", rows
-        gave_up_in_time(moved, "MOVED")
-        assert float(left.split()[1]) < 1.0, left  # left at once, gloo still waiting
-
-
-# The script's own collective (not elastic.train's): freed by cutting its group's sockets.
-OWN_COLLECTIVE = """
-import os, signal, sys, time
-import torch, torch.distributed as dist
-from elastic.training import regroup
-from elastic.training.dist import init_process_group, leave_group
-
-rank = int(os.environ["RANK"])
-init_process_group("gloo", timeout=GLOO_TIMEOUT)
-assert regroup.opt_in()
-dist.all_reduce(torch.ones(1))
-if rank == 2:
-    os.kill(os.getpid(), signal.SIGSTOP)
-print("WAITING", flush=True)
-try:
-    dist.all_reduce(torch.ones(1))
-    print("REDUCED", flush=True)
-except RuntimeError as exc:
-    print("BROKE", time.time(), flush=True)
-    print(repr(exc), file=sys.stderr)
-started = time.monotonic()
-leave_group()
-print("LEFT %.2f" % (time.monotonic() - started), flush=True)
-"""
-
-
-@pytest.mark.timeout(150)
-def test_the_script_s_own_collective_with_a_gone_peer_breaks_once_a_newer_round_comes(
-    tmp_path: Path,
-) -> None:
-    for rows in three_ranks_one_stopped(tmp_path, OWN_COLLECTIVE):
-        waiting, broke, left = rows
-        assert waiting == "WAITING", rows
-        gave_up_in_time(broke, "BROKE")
-        assert float(left.split()[1]) < 5.0, left
+        gave_up_in_time(gave_up, word)
+        assert float(left.split()[1]) < leaves_within, left
 
 
 GIVE_UP_LATER = 3.0  # s without a newer round: longer than the wait once one comes

@@ -44,18 +44,29 @@ Make = Callable[..., Cluster]
 
 
 @pytest.mark.timeout(240)
-def test_a_peer_cut_off_in_the_step_agreement_leaves_the_others_kept(
-    cluster_factory: Make, tmp_path: Path
+@pytest.mark.parametrize(
+    ("marker", "where"),
+    [
+        # it sleeps after its step's all_reduce: the others wait in the step agreement
+        ("late", "the step agreement"),
+        # it sleeps before it: the others wait in the script's own collective, which only
+        # cutting their group's connections ends (``training/sever.py``)
+        ("stall", "the script's own collective"),
+    ],
+    ids=["step-agreement", "own-collective"],
+)
+def test_a_peer_cut_off_while_the_others_wait_for_it_leaves_them_kept(
+    cluster_factory: Make, tmp_path: Path, marker: str, where: str
 ) -> None:
     with reference_run(tmp_path) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
         job = start_job(cluster, tmp_path, "2:3", nodes)
         victim, survivors = nodes[2], nodes[:2]
-        late = job.workdir / f"late-{victim.name}"
-        late.touch()
-        assert wait_until(lambda: not late.exists(), 30), job.texts()
-        time.sleep(3 * PAUSE)  # the others finished their step: in the agreement now
+        mark = job.workdir / f"{marker}-{victim.name}"
+        mark.touch()
+        assert wait_until(lambda: not mark.exists(), 30), job.texts()
+        time.sleep(3 * PAUSE)  # the others reached the wait
         cut = time.time()
         cluster.cut(victim)
         finish(job, survivors)
@@ -65,36 +76,7 @@ def test_a_peer_cut_off_in_the_step_agreement_leaves_the_others_kept(
     assert {e["host"] for e in after} == {h.name for h in survivors}, after
     all_done(seen, 2, value)
     first = min(e["t"] for e in after)
-    print(f"a peer cut off in the step agreement: first 2-rank step {first - cut:.2f}s after")
-
-
-@pytest.mark.timeout(240)
-def test_a_peer_cut_off_in_the_script_s_own_collective_leaves_the_others_kept(
-    cluster_factory: Make, tmp_path: Path
-) -> None:
-    """Host 2's worker sleeps before its step's all_reduce, so the others wait in the
-    script's own collective (not elastic.train's); its cable is cut. Their group's
-    sockets are shut down once the new round is handed over (``training/sever.py``): the
-    all_reduce fails, the step is rolled back and they regroup in the same processes."""
-    with reference_run(tmp_path) as expected:
-        cluster = cluster_factory(3)
-        nodes = list(cluster.hosts)
-        job = start_job(cluster, tmp_path, "2:3", nodes)
-        victim, survivors = nodes[2], nodes[:2]
-        stall = job.workdir / f"stall-{victim.name}"
-        stall.touch()
-        assert wait_until(lambda: not stall.exists(), 30), job.texts()
-        time.sleep(3 * PAUSE)  # the others finished their step's work: in its all_reduce
-        cut = time.time()
-        cluster.cut(victim)
-        finish(job, survivors)
-        value = expected()
-    seen = workers_kept(job, survivors, cut)
-    after = [e for e in seen if e["event"] == "step" and e["world"] == 2 and e["t"] > cut]
-    assert {e["host"] for e in after} == {h.name for h in survivors}, after
-    all_done(seen, 2, value)
-    first = min(e["t"] for e in after)
-    print(f"a peer cut off in the script's collective: first 2-rank step {first - cut:.2f}s after")
+    print(f"a peer cut off in {where}: first 2-rank step {first - cut:.2f}s after")
 
 
 @pytest.mark.timeout(240)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -76,7 +77,14 @@ def _watch() -> None:
             continue
         noted = _noted[0] if _noted else None
         if noted is not None and noted[0] == control.mine(JOINED):  # still in that group
-            cut(noted[1])
+            # Said, so that the collective's "Connection closed by peer" that follows is
+            # not read as a peer's crash.
+            print(
+                f"elastic: the job re-formed while this rank waited (a peer is gone): cut "
+                f"{cut(noted[1])} connection(s) of its old group",
+                file=sys.stderr,
+                flush=True,
+            )
         cut_for = newest
 
 
