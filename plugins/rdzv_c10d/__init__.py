@@ -10,8 +10,9 @@ Neither importing this package nor running a handler imports torch.
 Owns ``handler`` (``C10dRendezvousHandler``: the shared round over the job's store),
 ``store`` (hosting or reaching the TCPStore and its ``CoordinationStore`` view),
 ``succession`` (where the job's store is and how it moves: the standbys, the search
-after a move), ``handover`` (the leaving holder's marks, offer and copy) and ``redirect`` (a store opened anew at the first endpoint after the run's
-moved is pointed to the live one). Imports core's ``rendezvous`` (the round),
+after a move), ``handover`` (the leaving holder's marks, offer and copy) and
+``redirect`` (a store opened anew at the first endpoint after the run's moved is pointed
+to the live one). Imports core's ``rendezvous`` (the round),
 ``tcpstore``, ``interfaces`` and ``log``; may import core's public rooms only (contract
 ``plugins-public-core``).
 """
