@@ -43,10 +43,11 @@ if TYPE_CHECKING:
     from elastic.core.watchdog.watch import WorkerWatch
 
 PEER_IDLE = 1.0  # a worker idle this long when a stall is found is reported with it
-# A registered worker that does not answer a dump is either exiting (the interpreter's
-# shutdown unregisters faulthandler's handlers) or truly stuck (stopped, in D state, or the
-# script took the signal): it is blamed only once it has neither answered nor exited for this
-# long, so a worker on its way out is not taken for a hung one.
+# A registered worker that does not answer a dump, or answers with no Python frame in its
+# main thread, is either exiting (the interpreter's shutdown unregisters faulthandler's
+# handlers, and before that its main thread runs no Python) or truly stuck (stopped, in D
+# state, or the script took the signal): it is blamed only once it has neither answered
+# nor exited for this long, so a worker on its way out is not taken for a hung one.
 NO_ANSWER_GRACE = 2.0
 PEER_FAILED = WorkerVerdict()  # another node's stall ends this attempt
 
@@ -138,7 +139,8 @@ class StallDetector:
         if stale and p.local_rank in self.watch.stack_files:
             target = {p.local_rank: (pid, self.watch.stack_files[p.local_rank])}
             dump = stacks.dump_stacks(target, wait=0.5).get(p.local_rank)
-            if dump is None:
+            main = dump.main if dump is not None else None
+            if main is None or not main.frames:  # no answer, or no Python frame: exiting
                 first = self._unanswered.setdefault(p.local_rank, mono)
                 return None if mono - first < NO_ANSWER_GRACE else False
             self._unanswered.pop(p.local_rank, None)
