@@ -134,12 +134,15 @@ def test_sigterm_to_an_agent_is_a_departure(start_job: Callable[..., Setup], bac
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("backend", "leaving"), [("c10d", 3), ("etcd-v3", 2)])
-def test_nodes_preempted_within_a_second_regroup_once(
+def test_nodes_preempted_within_a_second_cost_a_round_each_at_most(
     start_job: Callable[..., Setup], backend: str, leaving: int
 ) -> None:
-    """Two or three of five nodes get SIGTERM 0.4 s apart: one regroup of the rest, within
-    3 s of the first notice (plus the margin), no restart, nobody waiting for a last call
-    (30 s here), and no node that left in the new round."""
+    """Two or three of five nodes get SIGTERM 0.4 s apart: the rest run together within
+    3 s of the first notice (plus the margin), with no restart spent, nobody waiting for a
+    last call (30 s here), and none of the nodes that left. Notices that land before the
+    next round forms share it; one that lands after it costs one more round (a regroup
+    takes about 0.5 s, so which happens depends on timing): never more rounds than notices.
+    """
     setup = start_job(backend, {"last_call_timeout": 30}, size=5)
     gone = setup.nodes[-leaving:]  # never the c10d store's host
     survivors = [h for h in setup.nodes if h not in gone]
@@ -150,12 +153,12 @@ def test_nodes_preempted_within_a_second_regroup_once(
         os.kill(setup.job.nodes[host.name].proc.pid, signal.SIGTERM)
     took = regrouped(setup, survivors, signalled, 3.0 + MARGIN, f"{backend} {leaving} SIGTERMs")
     names = {h.name for h in survivors}
-    # Every round has a master port of its own: one address since the notice, one regroup.
+    # Every round has a master port of its own.
     rounds = {r["master"] for r in setup.job.starts() if r["host"] in names and r["t"] > signalled}
-    assert len(rounds) == 1, f"{len(rounds)} regroups: {rounds}\n{setup.job.texts()}"
+    assert len(rounds) <= leaving, f"{len(rounds)} rounds: {rounds}\n{setup.job.texts()}"
     no_restart_spent(setup.job)
     setup.finish(survivors)
-    print(f"{backend} {leaving} preempted 0.4 s apart: regrouped once in {took:.2f}s")
+    print(f"{backend} {leaving} preempted 0.4 s apart: {len(rounds)} round(s), {took:.2f}s")
 
 
 @pytest.mark.timeout(120)

@@ -2,9 +2,9 @@
 
 Each ``monitor_interval``, or as soon as a worker exits, it polls the workers, asks the
 plugins (``elastic_check_workers``: the stall detector answers here), reads the job-wide
-flags that ``JobWatch`` caches, and every ``MEMBERSHIP_CHECK_INTERVAL`` asks the rendezvous
-who left and who waits. It reads only cached job and membership state, so a partition cannot
-hold it up: the handler's fencing raises instead.
+flags that ``JobWatch`` caches and the rendezvous's cached list of who left, and every
+``MEMBERSHIP_CHECK_INTERVAL`` asks who waits. It reads only cached job and membership
+state, so a partition cannot hold it up: the handler's fencing raises instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from elastic.core.interfaces.worker_watch import WorkerVerdict
 from elastic.core.workers.exits import ExitWait
 from elastic.core.workers.process import WorkerProcess
 
-MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting()/lost_nodes() calls
+MEMBERSHIP_CHECK_INTERVAL = 0.5  # seconds between num_nodes_waiting() calls
 
 
 def watch_attempt(
@@ -76,11 +76,13 @@ def watch_attempt(
                 # rather than wait for the handler's next tick to bring it.
                 if store_call(relay_checkpoint) and store_call(handler.membership_changed):
                     return AttemptEnd(Outcome.LOST_NODE)
+            # Answered from the handler's cache (its contract): every interval, so a
+            # departure the handler has read is acted on at once. Raises when fenced.
+            if store_call(handler.lost_nodes):
+                return AttemptEnd(Outcome.LOST_NODE)
             mono = time.monotonic()
             if mono >= next_membership:
                 next_membership = mono + MEMBERSHIP_CHECK_INTERVAL
-                if store_call(handler.lost_nodes):  # raises when we are fenced
-                    return AttemptEnd(Outcome.LOST_NODE)
                 if store_call(handler.num_nodes_waiting) > 0:
                     return AttemptEnd(Outcome.MEMBERSHIP)
     finally:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -68,6 +69,7 @@ from elastic.plugins.rdzv_static.store import (
 log = logging.getLogger(__name__)
 
 _CLOSED_MARKER = json.dumps({"closed": True})
+LOST_READ_INTERVAL = 0.5  # s between lost_nodes()' reads of the store
 # Several handlers may live in one process (tests, embedding): keep node ids distinct.
 _local_ids = itertools.count()
 
@@ -107,6 +109,8 @@ class StaticRendezvousHandler(RendezvousHandler):
         self._store: tcp.PrefixStore | None = None
         self._round: int | None = None
         self._closed = False
+        self._lost_read_at = float("-inf")  # when lost_nodes() last asked the store
+        self._lost: list[str] = []  # and what it answered
         self.read_only = read_only  # made by `elastic status`: describe() only
 
     # -- connection ---------------------------------------------------------------
@@ -313,11 +317,20 @@ class StaticRendezvousHandler(RendezvousHandler):
             log.warning("could not record this node's departure: %s", exc)
 
     def lost_nodes(self) -> list[str]:
-        """A node that left (``leave``); static has no heartbeats to find a crashed one."""
-        if self._store is None or self._round is None or not self._store.check([LEFT]):
+        """A node that left (``leave``); static has no heartbeats to find a crashed one.
+        The agent asks every monitor interval: the store is asked at most every
+        ``LOST_READ_INTERVAL`` s, so a job of N nodes costs it 2N requests a second."""
+        if self._store is None or self._round is None:
             return []
-        who = load_json(self._store, LEFT, self.prefix)
-        return [f"rank {who.get('rank')}" if isinstance(who, dict) else "a node"]
+        now = time.monotonic()
+        if now - self._lost_read_at < LOST_READ_INTERVAL:
+            return list(self._lost)
+        self._lost_read_at = now
+        self._lost = []
+        if self._store.check([LEFT]):
+            who = load_json(self._store, LEFT, self.prefix)
+            self._lost = [f"rank {who.get('rank')}" if isinstance(who, dict) else "a node"]
+        return list(self._lost)
 
     def num_nodes_waiting(self) -> int:
         """Nodes already waiting in the next round: another node's workers failed.
