@@ -5,6 +5,7 @@ codes) without a network."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from elastic.core.interfaces.rendezvous import RendezvousClosedError, RendezvousInfo
@@ -24,6 +25,7 @@ class SharedRendezvous:
         self.waiting: list[str] = []
         self.formed: dict[int, list[str]] = {}
         self.closed = False
+        self.beats = itertools.count()  # every agent runs while the process does
 
 
 class NodeHandler(LocalRendezvousHandler):
@@ -58,6 +60,14 @@ class NodeHandler(LocalRendezvousHandler):
             round=rnd,
             members=members,
         )
+
+    def peer_heartbeats(self) -> dict[str, bytes | None] | None:
+        """The other members of the last round, each with a fresh beat: agents that are
+        threads of this process are alive while it runs."""
+        s = self.shared
+        with s.cond:
+            members = s.formed[max(s.formed)] if s.formed else []
+            return {m: str(next(s.beats)).encode() for m in members if m != self.name}
 
     def num_nodes_waiting(self) -> int:
         with self.shared.cond:

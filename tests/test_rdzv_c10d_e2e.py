@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from elastic.core.agent.departure import PEER_LOSS_WAIT
 from elastic.harness.processes import Processes
 from elastic.testing.waits import wait_until
 
@@ -20,7 +21,9 @@ pytestmark = pytest.mark.slow
 TRAIN = """
 import os, sys, time
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"START restart={restart} at={time.time():.3f}", flush=True)
 if os.environ.get("FAIL_GROUP_RANK") == os.environ["GROUP_RANK"] and restart == 0:
+    print(f"FAILING at={time.time():.3f}", flush=True)  # on stdout: the failure says nothing
     sys.exit(3)  # a worker failure on one node, first attempt only (before torch loads)
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -236,6 +239,16 @@ def test_restart_budget_is_job_wide(job) -> None:  # noqa: ANN001
     results = [r for a in agents for r in a.results()]
     assert {r[3] for r in results} == {1}, results  # TORCHELASTIC_RESTART_COUNT everywhere
     assert len(results) == 2
+    # A failure that says nothing of its cause (an exit code alone) could be a peer's
+    # departure: it is a failure of its own once the other node's agent beat since, not
+    # after the whole PEER_LOSS_WAIT for a departure that never comes.
+    text = agents[1].text()
+    failed, restarted = (
+        float(m.group(1)) if (m := re.search(pattern, text)) else float("nan")
+        for pattern in (r"FAILING at=([\d.]+)", r"START restart=1 at=([\d.]+)")
+    )
+    took = restarted - failed
+    assert took < PEER_LOSS_WAIT - 2, f"restarted {took:.2f}s after the failure\n{text}"
 
 
 def test_two_jobs_on_one_endpoint_never_merge(job) -> None:  # noqa: ANN001

@@ -22,6 +22,8 @@ from elastic.core.interfaces.store import Store
 # waits for the rendezvous to confirm a departure before it spends a restart: longer than
 # the default heartbeat_timeout (5 s), so a crashed peer is found stale in time.
 PEER_LOSS_WAIT = 7.0
+# Between reads of the other members' heartbeats (only for a failure that says nothing).
+BEATS_READ_INTERVAL = 0.5
 
 
 def departure_caused(
@@ -35,7 +37,9 @@ def departure_caused(
     """At once if a departure is already known (a departing node says so before its
     workers stop); otherwise, unless the workers' own errors show a failure of their
     own, after waiting up to ``PEER_LOSS_WAIT`` for the rendezvous to confirm a crashed
-    peer. Another node claiming a restart first means a real failure.
+    peer. Another node claiming a restart first means a real failure; so does, for a
+    failure that says nothing of its cause (an exit code alone), every other member's
+    agent beating since the failure (``peer_heartbeats``): none of them left.
 
     ``call`` makes each store call (the agent's ``BoundedCalls``: a partition meanwhile
     fences this node instead of holding it for the store client's timeout)."""
@@ -43,11 +47,27 @@ def departure_caused(
         return True
     if not all(fail.may_be_peer_loss(record) for record in records):
         return False
-    deadline = time.monotonic() + PEER_LOSS_WAIT
+    # Only a failure that says nothing reads the beats: a connection error is the usual
+    # way a peer's failure shows, and the node that failed first claims the restart.
+    beats = call(handler.peer_heartbeats) if any(map(fail.says_nothing, records)) else None
+    started = time.monotonic()
+    deadline, next_beats = started + PEER_LOSS_WAIT, started + BEATS_READ_INTERVAL
     while time.monotonic() < deadline:
         sleep(0.25)
         if call(handler.membership_changed):
             return True
         if store is not None and call(restart_claimed, store, round_):
             return False  # another node's workers failed first: a real failure
+        if beats is not None and time.monotonic() >= next_beats:
+            next_beats = time.monotonic() + BEATS_READ_INTERVAL
+            if all_beat_since(beats, call(handler.peer_heartbeats)):
+                return False  # every other member is alive: nobody left
     return False
+
+
+def all_beat_since(before: dict[str, bytes | None], now: dict[str, bytes | None] | None) -> bool:
+    """Whether every member in ``before`` has a live heartbeat in ``now`` that differs
+    from the one it had in ``before``."""
+    if now is None:
+        return False
+    return all(now.get(m) is not None and now.get(m) != beat for m, beat in before.items())

@@ -234,10 +234,17 @@ def may_be_peer_loss(record: FailureRecord) -> bool:
     error) or a signal it died of is its own failure."""
     if record.signal:
         return False
-    text = "\n".join(t for t in (record.message, record.traceback) if t)
-    if not text.strip():
-        return True
-    return bool(_PEER_LOSS.search(text))
+    return says_nothing(record) or bool(_PEER_LOSS.search(_text(record)))
+
+
+def says_nothing(record: FailureRecord) -> bool:
+    """A failure that left no message or traceback (output on the console, no error
+    file): an exit code, and nothing else known of its cause."""
+    return not _text(record).strip()
+
+
+def _text(record: FailureRecord) -> str:
+    return "\n".join(t for t in (record.message, record.traceback) if t)
 
 
 def is_deterministic_startup_failure(record: FailureRecord) -> bool:

@@ -352,6 +352,15 @@ class RendezvousHandler(abc.ABC):
         """
         return bool(self.lost_nodes())
 
+    def peer_heartbeats(self) -> dict[str, bytes | None] | None:
+        """Fresh from the store (not cached): the latest heartbeat of each other member of
+        the current round, a value that changes each time that member's agent beats
+        (None for a member that left, finished or has not beaten). Asked while a worker
+        failure of unknown cause waits to learn whether a node left: a member that beat
+        since the failure did not leave. None: this backend cannot tell (the agent then
+        waits for ``membership_changed``, up to its bound)."""
+        return None
+
     @property
     def use_agent_store(self) -> bool:
         """Whether workers are clients of the agent's store (TORCHELASTIC_USE_AGENT_STORE).

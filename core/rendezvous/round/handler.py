@@ -27,6 +27,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStateError,
     RendezvousStoreGoneError,
 )
 from elastic.core.interfaces.store import StoreTimeoutError
@@ -256,6 +257,19 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._current is None:
             return False
         return bool(read_lost(self.rdzv_store, self._current.round))
+
+    def peer_heartbeats(self) -> dict[str, bytes | None] | None:
+        asg = self._current
+        if asg is None or self._monitor is None:
+            return None
+        try:
+            roster = self.protocol.roster(asg.round)  # read once a round
+        except RendezvousStateError:
+            return None  # no roster for this job: cannot tell
+        others = [m for m in roster.members if m != self.node_id]
+        values = self.rdzv_store.read([R.hb_key(m) for m in others])
+        # A member that left or finished has no live beat.
+        return {m: None if v in R.GONE else v for m, v in zip(others, values, strict=True)}
 
     def leave(self) -> None:
         """Record that we left (heartbeat "left", and ourselves in the round's lost list)
