@@ -16,8 +16,11 @@ A file ``FAULTS_OUT/stall-<host>`` makes that host's worker sleep 30 s in its ne
 sleep as long after its step's all_reduce, so the other ranks wait for it in the step
 agreement. With ``gone-before-connect-<host>``, a worker starting on that host says it is
 ready to join the round's group, writes ``ready-<host>`` and never connects: a member gone
-between joining a round and connecting to its group. ``REGROUP_HOLD_LAST=1`` holds the
-last step until the agent asks for a regroup (the job finishes at the boundary
+between joining a round and connecting to its group. A file ``slow-start-<host>``
+holding a number makes a worker starting on that host write ``slow-started-<host>-<pid>``
+and sleep that many seconds before it imports torch (a start-up that outlasts a change of
+the job). ``REGROUP_HOLD_LAST=1``
+holds the last step until the agent asks for a regroup (the job finishes at the boundary
 meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 """
 
@@ -60,6 +63,12 @@ if sys.argv[1] == "--reference":
         value = advance(value, share(step, 0, 1))
     print(json.dumps(value))
     sys.exit(0)
+
+slow = os.path.join(os.environ["FAULTS_OUT"], "slow-start-" + socket.gethostname())
+if os.path.exists(slow):  # a test: a start-up that outlasts a change of the job
+    mark = f"slow-started-{socket.gethostname()}-{os.getpid()}"
+    open(os.path.join(os.environ["FAULTS_OUT"], mark), "w").close()
+    time.sleep(float(open(slow).read()))
 
 import torch
 import torch.distributed as dist

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from elastic.core.workers.control_file import (
     round_path,
     slot_offset,
 )
-from elastic.training import control, preemption, regroup
+from elastic.training import control, preemption, regroup, rounds
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_a_request_and_a_round_reach_the_worker(node: ControlFile) -> None:
     env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "29555"}
     generation = node.hand_over({0: {"RANK": "2"}, 1: env})
     assert generation == 1 and json.loads(Path(round_path(node.path)).read_text())
-    assert regroup._wait_for_round(0) == (1, env)
+    assert rounds.wait_for_round(0) == (1, env)
     assert node.joined(1) == set()  # taken only once the worker says so (regroup does)
 
 
@@ -87,10 +88,30 @@ def test_a_garbled_round_file_is_not_taken(node: ControlFile) -> None:
     path = Path(round_path(node.path))
     for bad in ("{", '{"generation": 1, "ranks": {"1": {"RANK": 1}}}', '{"ranks": {}}', "[]"):
         path.write_text(bad)
-        assert regroup._read_round(0) is None, bad
+        assert rounds.read_round(0) is None, bad
     path.write_text(json.dumps({"generation": 1, "ranks": {"1": {"RANK": "1"}}}))
-    assert regroup._read_round(1) is None  # not newer than what the worker runs in
-    assert regroup._read_round(0) == (1, {"RANK": "1"})
+    assert rounds.read_round(1) is None  # not newer than what the worker runs in
+    assert rounds.read_round(0) == (1, {"RANK": "1"})
+
+
+def test_a_worker_still_starting_takes_the_round_the_job_re_formed_into(
+    node: ControlFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job re-forms while the worker starts: its agent asks for a regroup, then hands
+    the new round over; the worker, about to create its group, waits for it and takes it
+    (``elastic.init_process_group``), instead of joining the round it was started in."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # restored after the test
+    assert not rounds.take_pending()  # nothing asked: the round it started in holds
+    node.request_regroup()
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29555"}
+    handed = threading.Timer(0.3, node.hand_over, args=({0: {"RANK": "1"}, 1: env},))
+    handed.start()
+    assert rounds.take_pending()  # waits for the round while the agent forms it
+    handed.join()
+    assert (os.environ["RANK"], os.environ["MASTER_PORT"]) == ("0", "29555")
+    assert node.joined(1) == {1}  # the agent sees it took the round
+    assert not rounds.take_pending()  # taken: no round pending any more
 
 
 def test_a_broken_worker_asks_and_its_step_time_bounds_the_wait(node: ControlFile) -> None:

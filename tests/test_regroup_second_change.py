@@ -7,7 +7,9 @@ A node joins a 3-node job; while the round with it has formed and the kept worke
 the joiner's new worker to get ready, a kept node dies (SIGKILL of its host). The job goes
 on to the next round, and the two other kept nodes' workers keep their processes: they
 are told the newer round and re-form again, never restarted by their agents (which once
-waited out their bounds and restarted every worker, losing the in-place state)."""
+waited out their bounds and restarted every worker, losing the in-place state); the
+joiner's worker, still starting, takes the newer round as it creates its group instead of
+being restarted."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
         nodes = list(cluster.hosts)
         kept, victim, joiner = nodes[:2], nodes[2], nodes[3]
         job = start_job(cluster, tmp_path, "2:4", nodes[:3], JOIN_STEPS)
+        # The joiner's worker is still starting when the kill comes (a big model).
+        (job.workdir / f"slow-start-{joiner.name}").write_text("4")
         job.start(joiner)
         with_joiner = re.compile(r"round \d+ formed: 4 nodes")
         formed = wait_until(lambda: with_joiner.search(job.nodes[kept[0].name].text()), 60)
@@ -50,6 +54,10 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
         finish(job, [*kept, joiner])
         value = expected()
     seen = workers_kept(job, kept, killed)
+    # The joiner's worker is not restarted either: it takes the next round as it
+    # creates its group, so its start-up is not thrown away.
+    started = sorted(p.name for p in job.workdir.glob(f"slow-started-{joiner.name}-*"))
+    assert len(started) == 1, f"the joiner's worker started again: {started}\n{job.texts()}"
     steps_after = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
     assert {e["host"] for e in steps_after} == {h.name for h in (*kept, joiner)}, steps_after
     all_done(seen, 3, value)

@@ -6,7 +6,8 @@ steps with rollback and periodic checkpoints), ``dist`` (``elastic.init_process_
 (``elastic.heartbeat``: progress the watchdog reads), ``preemption``
 (``checkpoint_requested``/``checkpoint_saved``: the worker's side of a coordinated save),
 ``regroup`` (``membership_changed``/``regroup``: the worker's side of a regroup in
-place), ``bounded`` (waits for peers that end once the agent hands over a newer round),
+place), ``rounds`` (the rounds the agent hands over; one taken by a worker still
+starting), ``bounded`` (waits for peers that end once the agent hands over a newer round),
 ``sever`` (the script's own collectives freed by cutting the old group's connections),
 ``control`` (the worker's end of the control file) and ``agent_file`` (mapping a file
 the agent shares).

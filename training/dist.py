@@ -11,7 +11,7 @@ import traceback
 from typing import Any
 
 from elastic.core.workers.control_file import READY
-from elastic.training import bounded, control, sever
+from elastic.training import bounded, control, rounds, sever
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 _REQUIRED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -74,9 +74,20 @@ def init_process_group(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Workers kept from the last round wait for this before they stop to join us.
     control.set_mine(READY, 1)
-    before = sever.sockets() if control.available() else frozenset()
-    # ... in the round's store: they wait there for every rank before gloo's connect
-    store = bounded.meet(wait=False, limit=timeout.total_seconds()) if control.available() else None
+    store, before = None, sever.Sockets()
+    while control.available():
+        # The job re-formed while this worker started: its agent hands it the new round
+        # instead of restarting it (``core/agent/in_place.py``), taken here.
+        rounds.take_pending()
+        before = sever.sockets()
+        try:
+            # ... in the round's store: they wait there for every rank before gloo's connect
+            store = bounded.meet(wait=False, limit=timeout.total_seconds())
+        except bounded.RoundMoved:
+            continue  # a newer round came while this one's store was awaited: take it
+        if not rounds.pending():
+            break
+        del store  # the round went while we counted in: on to the newer one
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
     del store  # the group's own store shares its server now
     sever.note(before)

@@ -25,32 +25,28 @@ and the node restarts as before, so no wait here is unbounded either.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
+from elastic.core.interfaces.failures import names_peer_loss
 from elastic.core.workers.boot.sitecustomize import install
 from elastic.core.workers.control_file import (
     BROKEN,
     CAPABLE,
     ENV_CONTROL,
-    GENERATION_FIELD,
     JOINED,
-    MAX_ROUND_FILE,
     REGROUP_FIELD,
     SAVED,
     STEP_US,
-    parse_round,
-    round_path,
     stack_path,
 )
-from elastic.training import control, sever
+from elastic.training import control, rounds, sever
 from elastic.training.bounded import RoundMoved
 from elastic.training.dist import leave_group, rejoin_group
-from elastic.training.heartbeat import WaitBeat
 
-# s a worker waits for its agent's next round: longer than the agent's own bound (its
-# rendezvous, join_timeout: 600 s by default); the agent stops the worker before that.
-ROUND_WAIT = 900.0
-_POLL = 0.005
+# Joins in a row whose connect failed under a lost peer before the worker gives up (and
+# its agent restarts it): each is a round that lost a member while its ranks connected.
+MAX_FAILED_JOINS = 3
 # When this worker last passed a step boundary (``membership_changed``); empty before the
 # first. A regroup's wait for the round is not a step: it starts the count again.
 _last_boundary: list[float] = []
@@ -98,8 +94,9 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
     if broken:
         control.set_mine(BROKEN, joined + 1)
     leave_group()
+    failed_joins = 0
     while True:
-        generation, env = _wait_for_round(joined)
+        generation, env = rounds.wait_for_round(joined)
         os.environ.update(env)
         control.set_mine(JOINED, generation)  # the agent's acknowledgement: we are joining
         control.set_mine(BROKEN, 0)
@@ -109,28 +106,21 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
             break
         except RoundMoved:  # a rank of this round is gone: on to the newer one
             joined = generation
+        except RuntimeError as exc:
+            # gloo's connect failed: a rank of this round died while the ranks connected
+            # (after they met). Like a group that broke under a step: the job re-forms,
+            # and this worker, its state kept, joins the next round.
+            failed_joins += 1
+            if failed_joins > MAX_FAILED_JOINS or not names_peer_loss(str(exc)):
+                raise
+            print(
+                f"elastic: joining round {generation} failed ({exc!r}); waiting for the job "
+                "to re-form",
+                file=sys.stderr,
+                flush=True,
+            )
+            leave_group()
+            control.set_mine(BROKEN, generation + 1)
+            joined = generation
     _last_boundary.clear()
     return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-
-
-def _wait_for_round(joined: int) -> tuple[int, dict[str, str]]:
-    deadline = time.monotonic() + ROUND_WAIT
-    beat = WaitBeat()
-    while time.monotonic() < deadline:
-        if control.header(GENERATION_FIELD) > joined:
-            found = _read_round(joined)
-            if found is not None:
-                return found
-        beat()
-        time.sleep(_POLL)
-    raise RuntimeError(f"no new round from the agent within {ROUND_WAIT:g}s")
-
-
-def _read_round(joined: int) -> tuple[int, dict[str, str]] | None:
-    """This worker's variables in the round file, when it holds a round after ``joined``."""
-    try:
-        with open(round_path(control.path()), "rb") as f:
-            raw = f.read(MAX_ROUND_FILE + 1)
-        return parse_round(raw, control.slot_index(), joined)
-    except (OSError, ValueError):  # ValueError: the slot variable is no number
-        return None

@@ -4,7 +4,9 @@
 Owns ``_regroup_in_place``: raise the regroup request, join the next round (skipping one
 that lost a member while the nodes got ready), hand it to the running workers through the
 control file and wait until they took it; workers that did not in time are restarted in
-it. The steps and their bounds live in ``regroup.py``; this room only orders them and
+it. And ``_hand_to_starting``: workers still starting when the job re-forms are handed the
+next round, which they take as they create their group, instead of being restarted.
+The steps and their bounds live in ``regroup.py``; this room only orders them and
 imports that module, ``checkpoint_on_notice``, ``start`` and ``restarts``.
 """
 
@@ -42,6 +44,35 @@ from elastic.core.log import say
 
 class InPlaceRegroup(AgentBase):
     """The same workers through a membership change."""
+
+    def _hand_to_starting(self) -> tuple[RendezvousInfo, bool] | RunResult | None:
+        """The job re-forms while our workers are still starting (``can_hand_to_starting``
+        said so and requested the regroup): join the next round and hand it to them; each
+        takes it as it creates its group (``elastic.init_process_group``), so their start-up
+        is not thrown away. Returns the round to watch and whether this node counted itself
+        ready for it (not yet: its workers will say so), or what ``_attempt`` returns."""
+        assert self._coordinator is not None
+        control = self._coordinator.control
+        info = self._rendezvous()
+        if isinstance(info, RunResult) or self._calls(job_failed, info.store):
+            self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
+            if isinstance(info, RunResult):
+                return info
+            return self._final_failure("the job failed on another node")
+        restarts = self._calls(restarts_used, info.store)
+        place_group(self._group, info, restarts)
+        self._coordinator = Coordinator(info.store, info.round, control)
+        self._joining.attempt_started(info.store, info.round, self._calls)
+        hand_over(
+            control,
+            self._group,
+            self._workers,
+            run_id=self._handler.get_run_id(),
+            use_agent_store=self._handler.use_agent_store,
+            error_files={r: logs.error_file for r, logs in self._logs.items()},
+        )
+        self._fence.watch(self._workers, info.round)
+        return info, False
 
     def _regroup_in_place(self, outcome: Outcome) -> tuple[RendezvousInfo, bool] | RunResult | None:
         """The job re-forms and our workers can follow it (``core/agent/regroup.py``):

@@ -41,10 +41,7 @@ from elastic.core.agent.job_watch import JobWatch
 from elastic.core.agent.joining import Joining
 from elastic.core.agent.monitor import watch_attempt
 from elastic.core.agent.outcome import AttemptEnd, Outcome
-from elastic.core.agent.regroup import (
-    RoundWatch,
-    can_regroup,
-)
+from elastic.core.agent.regroup import RoundWatch, can_hand_to_starting, can_regroup
 from elastic.core.agent.restarts import job_failed, restarts_used
 from elastic.core.agent.signals import SignalExit
 from elastic.core.agent.store_call import BoundedCalls
@@ -269,14 +266,20 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                 end = AttemptEnd(Outcome.LOST_NODE)
             finally:  # fenced or not, workers that ran past start-up made this node a member
                 self._joining.attempt_ended()
-            if not can_regroup(end.outcome, coordinator.control, self._workers):
+            kept = can_regroup(end.outcome, coordinator.control, self._workers)
+            if kept:
+                regrouped = self._regroup_across_moves(end.outcome)
+            elif self._calls(
+                can_hand_to_starting, end.outcome, coordinator.control, self._workers, info.store
+            ):
+                regrouped = self._hand_to_starting()  # still starting: not restarted
+            else:
                 return self._decide(info, end)
-            regrouped = self._regroup_across_moves(end.outcome)
             if not isinstance(regrouped, tuple):
                 return regrouped
             info, counted = regrouped
             # Workers that took a new round in place have trained in this job.
-            self._joining.ran = True
+            self._joining.ran = self._joining.ran or kept
 
     def _regroup_across_moves(
         self, outcome: Outcome

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.outcome import Outcome
 from elastic.core.agent.store_call import store_call
-from elastic.core.interfaces.job_keys import FINISHED_KEY, READY_KEY, REPLACED_KEY
+from elastic.core.interfaces.job_keys import (
+    FINISHED_KEY,
+    LATE_ROUNDS_KEY,
+    READY_KEY,
+    REPLACED_KEY,
+)
 from elastic.core.interfaces.rendezvous import RendezvousHandler
 from elastic.core.interfaces.spec import WorkerGroup
 from elastic.core.interfaces.store import Store
@@ -59,6 +64,29 @@ def can_regroup(outcome: Outcome, control: ControlFile, workers: Sequence[Worker
     )
 
 
+def can_hand_to_starting(
+    outcome: Outcome, control: ControlFile, workers: Sequence[WorkerProcess], store: Store
+) -> bool:
+    """Whether this attempt's end can be handled by handing the next round to workers
+    that are still starting (none began creating its group, all alive), in a job whose
+    workers take such a round (``LATE_ROUNDS_KEY``: they create their group with
+    ``elastic.init_process_group``). Restarting them instead would throw their start-up
+    away (import torch, building the model: seconds), again at every change.
+
+    When it answers True, a regroup is requested in the control file first: a worker that
+    begins its group from then on waits for the next round (``elastic.training.rounds``),
+    and one that began before cannot have seen the request, so the answer is False."""
+    if outcome not in MEMBERSHIP_OUTCOMES or not workers:
+        return False
+    if not control.none_started_group() or any(w.poll() is not None for w in workers):
+        return False
+    (late,) = store_call(store.multi_get, [LATE_ROUNDS_KEY])
+    if not late:
+        return False
+    control.request_regroup()
+    return control.none_started_group()
+
+
 class RoundWatch:
     """Called by the monitor every interval of a round: says whether the job must
     re-form now for workers that can regroup, and counts this node ready once.
@@ -79,6 +107,9 @@ class RoundWatch:
         control = coordinator.control
         if not self._counted and control.all_ready():
             store_call(coordinator.store.add, READY_KEY.format(coordinator.round), 1)
+            # Ready is said by elastic.init_process_group alone, which takes a round
+            # handed over while the worker started: the job's workers can be handed one.
+            store_call(coordinator.store.set, LATE_ROUNDS_KEY, "1")
             self._counted = True
         if control.broken():
             return True

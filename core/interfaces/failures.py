@@ -222,7 +222,8 @@ _FRAME = re.compile(r'^\s*File "[^"]*", line \d+, in (\S+)', re.M)
 _PEER_LOSS = re.compile(
     r"Connection closed by peer|Connection reset by peer|ECONNRESET|Broken pipe|"
     r"Connection refused|Socket Timeout|DistNetworkError|remote process exited|"
-    r"NCCL communicator was aborted|ncclRemoteError|Timed out waiting .* for client",
+    r"NCCL communicator was aborted|ncclRemoteError|Timed out waiting .* for client|"
+    r"Timed out after .* waiting for clients|connectFullMesh failed",
     re.IGNORECASE,
 )
 
@@ -234,7 +235,13 @@ def may_be_peer_loss(record: FailureRecord) -> bool:
     error) or a signal it died of is its own failure."""
     if record.signal:
         return False
-    return says_nothing(record) or bool(_PEER_LOSS.search(_text(record)))
+    return says_nothing(record) or names_peer_loss(_text(record))
+
+
+def names_peer_loss(text: str) -> bool:
+    """Whether an error's text is what gloo, NCCL or torch's store say when a peer
+    process or its host went away (a connection closed, reset or refused, a timeout)."""
+    return bool(_PEER_LOSS.search(text))
 
 
 def says_nothing(record: FailureRecord) -> bool:

@@ -26,6 +26,10 @@ READY_KEY = "agent/regroup/{}/ready"  # nodes whose workers can join the round's
 FINISHED_KEY = "agent/regroup/{}/finished"
 # nodes that gave up waiting for their workers to take the round and restarted them
 REPLACED_KEY = "agent/regroup/{}/replaced"
+# set once a node's workers created their group with elastic.init_process_group, which
+# takes a round handed over while they started: from then on, workers still starting when
+# the job re-forms are handed the new round instead of being restarted
+LATE_ROUNDS_KEY = "agent/regroup/late_rounds"
 
 
 def parse_budget(raw: bytes) -> tuple[int, list[int]]:

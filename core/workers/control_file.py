@@ -189,6 +189,12 @@ class ControlFile:
         slots = self._slots()
         return bool(slots) and all(slot[READY] for slot in slots)
 
+    def none_started_group(self) -> bool:
+        """No local worker has begun creating its process group (``READY``) or said it
+        can regroup: each is still starting (importing, building its model)."""
+        slots = self._slots()
+        return bool(slots) and not any(slot[READY] or slot[CAPABLE] for slot in slots)
+
     def joined(self, generation: int) -> set[int]:
         """The local ranks that took round ``generation`` (or a later one)."""
         return {r for r, slot in enumerate(self._slots()) if slot[JOINED] >= generation}
