@@ -86,13 +86,14 @@ def wait_work(work: Any, what: str) -> None:
             raise RoundMoved(f"{what} given up: the agent handed over a newer round")
 
 
-def meet(*, wait: bool, limit: float) -> Any:
-    """Count this rank in at the round's store (``MEET_KEY``) and, with ``wait``, wait in
-    Python until every rank of the round did; ``RoundMoved`` when the agent moves on
-    meanwhile (a rank of this round is gone). Kept workers wait (``rejoin_group``); new
-    ones only count themselves in (``elastic.init_process_group``): the kept ones may be
-    waiting for them. A rank that makes its group with torch's own init never counts:
-    after ``MEET_PATIENCE`` s the others go on to gloo's connect all the same.
+def meet(*, limit: float) -> Any:
+    """Count this rank in at the round's store (``MEET_KEY``) and wait in Python until
+    every rank of the round did; ``RoundMoved`` when the agent moves on meanwhile (a rank
+    of this round is gone). Kept workers (``rejoin_group``) and new ones
+    (``elastic.init_process_group``) alike: a new one waiting here still takes a newer
+    round, where one blocked in gloo's connect would be restarted. A rank that makes its
+    group with torch's own init never counts: after ``MEET_PATIENCE`` s the others go on
+    to gloo's connect all the same.
 
     Returns the store when this rank hosts it (rank 0, unless the agent's store serves the
     workers): ``multi_tenant``, so torch's own creation of the group reuses its server;
@@ -122,7 +123,7 @@ def meet(*, wait: bool, limit: float) -> Any:
     _until(watch, lambda: store.add(MEET_KEY, 1))
     patience = time.monotonic() + MEET_PATIENCE
     beat = WaitBeat()
-    while wait and _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
+    while _until(watch, lambda: store.add(MEET_KEY, 0)) < world_size:
         if watch.moved():
             raise RoundMoved("the round's ranks did not meet: a newer round came")
         if time.monotonic() >= patience:

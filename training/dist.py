@@ -10,7 +10,7 @@ import sys
 import traceback
 from typing import Any
 
-from elastic.core.workers.control_file import READY
+from elastic.core.workers.control_file import CONNECTING, MEETING, READY
 from elastic.training import bounded, control, rounds, sever
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -73,21 +73,25 @@ def init_process_group(
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Workers kept from the last round wait for this before they stop to join us.
-    control.set_mine(READY, 1)
+    control.set_mine(READY, MEETING)
     store, before = None, sever.Sockets()
     while control.available():
-        # The job re-formed while this worker started: its agent hands it the new round
-        # instead of restarting it (``core/agent/in_place.py``), taken here.
+        # The job re-formed while this worker started (or waited to meet): its agent
+        # hands it the new round instead of restarting it (``core/agent/in_place.py``).
         rounds.take_pending()
         before = sever.sockets()
         try:
-            # ... in the round's store: they wait there for every rank before gloo's connect
-            store = bounded.meet(wait=False, limit=timeout.total_seconds())
+            # The round's ranks meet at its store before gloo's connect, which waits for
+            # every rank in C++: a rank of this round that is gone holds us in Python,
+            # where a newer round handed over ends the wait.
+            store = bounded.meet(limit=timeout.total_seconds())
         except bounded.RoundMoved:
-            continue  # a newer round came while this one's store was awaited: take it
+            continue  # a newer round came: take it
+        control.set_mine(READY, CONNECTING)  # from here, a newer round is no longer taken
         if not rounds.pending():
             break
-        del store  # the round went while we counted in: on to the newer one
+        control.set_mine(READY, MEETING)  # the round went as we met: on to the newer one
+        del store
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
     del store  # the group's own store shares its server now
     sever.note(before)
@@ -178,7 +182,7 @@ def rejoin_group() -> str:
     backend = _made.get("backend") or default_backend()
     timeout = _made.get("timeout", DEFAULT_TIMEOUT)
     before = sever.sockets()
-    store = bounded.meet(wait=True, limit=timeout.total_seconds())
+    store = bounded.meet(limit=timeout.total_seconds())
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=timeout, **_made.get("kwargs", {})
     )

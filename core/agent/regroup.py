@@ -68,7 +68,7 @@ def can_hand_to_starting(
     outcome: Outcome, control: ControlFile, workers: Sequence[WorkerProcess], store: Store
 ) -> bool:
     """Whether this attempt's end can be handled by handing the next round to workers
-    that are still starting (none began creating its group, all alive), in a job whose
+    that are still starting (none began connecting to its group, all alive), in a job whose
     workers take such a round (``LATE_ROUNDS_KEY``: they create their group with
     ``elastic.init_process_group``). Restarting them instead would throw their start-up
     away (import torch, building the model: seconds), again at every change.
@@ -78,13 +78,13 @@ def can_hand_to_starting(
     and one that began before cannot have seen the request, so the answer is False."""
     if outcome not in MEMBERSHIP_OUTCOMES or not workers:
         return False
-    if not control.none_started_group() or any(w.poll() is not None for w in workers):
+    if not control.none_connecting() or any(w.poll() is not None for w in workers):
         return False
     (late,) = store_call(store.multi_get, [LATE_ROUNDS_KEY])
     if not late:
         return False
     control.request_regroup()
-    return control.none_started_group()
+    return control.none_connecting()
 
 
 class RoundWatch:

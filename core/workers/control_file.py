@@ -18,7 +18,9 @@ slot per local rank: (listening, saved, capable, joined, broken, step_us, ready,
   died mid-collective), 0 otherwise; "step_us" its last step's duration, which bounds how
   long the agent waits for it to reach a step boundary. "Ready" says a freshly started
   worker is about to join its round's group (``elastic.init_process_group``): the workers
-  kept from the last round wait for that before they stop training to join it. "Done"
+  kept from the last round wait for that before they stop training to join it; 1 while
+  it meets the round's ranks (it still takes a newer round handed over), 2 once it
+  connects to them. "Done"
   says every rank agreed training is done (``elastic.train`` returns): a failure after
   that ends the job without running it again.
 
@@ -55,6 +57,9 @@ CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD = 0, 1, 2, 3
 # done)
 SLOT = struct.Struct("<QQQQQQQQ")
 LISTENING, SAVED, CAPABLE, JOINED, BROKEN, STEP_US, READY, DONE = range(8)
+# "Ready" values: about to meet the round's ranks at its store (waiting there in Python, it
+# can still take a newer round), then connecting to them (in gloo, where it cannot).
+MEETING, CONNECTING = 1, 2
 # A worker may learn of a request from its peers (the all_reduce of the flag) before its
 # own agent has raised it locally: it then saves "for whatever request is pending".
 SAVED_PENDING = 2**64 - 1
@@ -189,11 +194,12 @@ class ControlFile:
         slots = self._slots()
         return bool(slots) and all(slot[READY] for slot in slots)
 
-    def none_started_group(self) -> bool:
-        """No local worker has begun creating its process group (``READY``) or said it
-        can regroup: each is still starting (importing, building its model)."""
+    def none_connecting(self) -> bool:
+        """No local worker has begun connecting to its round's group (``CONNECTING``) or
+        said it can regroup: each is still starting (importing, building its model) or
+        waiting to meet its round's ranks, and takes a newer round handed over."""
         slots = self._slots()
-        return bool(slots) and not any(slot[READY] or slot[CAPABLE] for slot in slots)
+        return bool(slots) and not any(slot[READY] >= CONNECTING or slot[CAPABLE] for slot in slots)
 
     def joined(self, generation: int) -> set[int]:
         """The local ranks that took round ``generation`` (or a later one)."""
