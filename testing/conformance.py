@@ -25,7 +25,8 @@ with the last call, scale-up via ``num_nodes_waiting``, a SIGKILLed node reporte
 across nodes, ``compare_set``, ``wait`` timing out), unknown and out-of-range
 ``--rdzv-conf`` values, ``describe`` (read-only; an unknown job is an error), a refused
 fingerprint, and the membership rules the dynamic backends share (stable ranks, no last
-call after a departure, a departure is not completion). ``RendezvousTarget.not_applicable``
+call after a departure, a departure is not completion, ``peer_heartbeats`` when a backend
+answers it). ``RendezvousTarget.not_applicable``
 names the cases a backend skips (a fixed-membership backend has no scale-up).
 Nodes run as threads of the test process, each with its own handler, created in order
 (node 0 first, so a backend whose first handler hosts its server works), except the node
@@ -347,6 +348,30 @@ class RendezvousConformance:
         b.shutdown()  # the job is closed: finished, not lost
         time.sleep(min(3.0, rdzv_target.detect_timeout))
         assert a.lost_nodes() == []
+
+    def test_peer_heartbeats_move_while_the_members_live(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        """``peer_heartbeats`` (optional): every other member, each value new once its
+        agent beat again; a departed member has none. A worker failure that names nothing
+        stops waiting for a departure once every member beat since."""
+        a, b, c = nodes.make(run_id, 3, 3, n=3)
+        infos = rendezvous_all([a, b, c])
+        first = a.peer_heartbeats()
+        if first is None:
+            pytest.skip("this backend cannot tell (peer_heartbeats answers None)")
+        if infos[1].node_id:
+            assert set(first) == {infos[1].node_id, infos[2].node_id}, first
+
+        def moved() -> bool:
+            now = a.peer_heartbeats() or {}
+            return all(now.get(m) is not None and now.get(m) != v for m, v in first.items())
+
+        assert wait_for(moved, rdzv_target.detect_timeout), (first, a.peer_heartbeats())
+        c.shutdown()  # a departure: its heartbeat says so, and is no live beat
+        if infos[2].node_id:
+            gone = infos[2].node_id
+            assert wait_for(lambda: (a.peer_heartbeats() or {}).get(gone, b"") is None, 10)
 
     def test_out_of_range_config_is_rejected(
         self, rdzv_target: RendezvousTarget, run_id: str
