@@ -87,11 +87,11 @@ def init_process_group(
             store = bounded.meet(limit=timeout.total_seconds())
         except bounded.RoundMoved:
             continue  # a newer round came: take it
-        control.set_mine(READY, CONNECTING)  # from here, a newer round is no longer taken
-        if not rounds.pending():
-            break
-        control.set_mine(READY, MEETING)  # the round went as we met: on to the newer one
-        del store
+        # Every rank met: each connects now, and one that went on to a newer round would
+        # leave the others waiting in gloo. A newer round is taken at the first step
+        # boundary instead (``membership_changed``).
+        control.set_mine(READY, CONNECTING)
+        break
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
     del store  # the group's own store shares its server now
     sever.note(before)
