@@ -51,19 +51,32 @@ class InPlaceRegroup(AgentBase):
         takes it as it creates its group (``elastic.init_process_group``), so their start-up
         is not thrown away. Returns the round to watch and whether this node counted itself
         ready for it (not yet: its workers will say so), or what ``_attempt`` returns."""
-        assert self._coordinator is not None
-        control = self._coordinator.control
+        info = self._next_round()
+        if not isinstance(info, RendezvousInfo):
+            return info
+        self._joining.attempt_started(info.store, info.round, self._calls)
+        self._hand_round_over(info)
+        return info, False
+
+    def _next_round(self) -> RendezvousInfo | RunResult | None:
+        """The next round, or (its workers stopped) how the job ended meanwhile."""
         info = self._rendezvous()
         if isinstance(info, RunResult) or self._calls(job_failed, info.store):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             if isinstance(info, RunResult):
                 return info
             return self._final_failure("the job failed on another node")
+        return info
+
+    def _hand_round_over(self, info: RendezvousInfo) -> tuple[int, int]:
+        """Round ``info`` to our running workers through the control file; returns its
+        generation and the restarts spent so far."""
+        assert self._coordinator is not None
+        control = self._coordinator.control
         restarts = self._calls(restarts_used, info.store)
         place_group(self._group, info, restarts)
         self._coordinator = Coordinator(info.store, info.round, control)
-        self._joining.attempt_started(info.store, info.round, self._calls)
-        hand_over(
+        generation = hand_over(
             control,
             self._group,
             self._workers,
@@ -72,7 +85,7 @@ class InPlaceRegroup(AgentBase):
             error_files={r: logs.error_file for r, logs in self._logs.items()},
         )
         self._fence.watch(self._workers, info.round)
-        return info, False
+        return generation, restarts
 
     def _regroup_in_place(self, outcome: Outcome) -> tuple[RendezvousInfo, bool] | RunResult | None:
         """The job re-forms and our workers can follow it (``core/agent/regroup.py``):
@@ -90,12 +103,9 @@ class InPlaceRegroup(AgentBase):
             return round_superseded(self._handler)
 
         while True:
-            info = self._rendezvous()
-            if isinstance(info, RunResult) or self._calls(job_failed, info.store):
-                self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
-                if isinstance(info, RunResult):
-                    return info
-                return self._final_failure("the job failed on another node")
+            info = self._next_round()
+            if not isinstance(info, RendezvousInfo):
+                return info
             # Until every node's workers can join, ours train on in the old group if
             # they can; a round that lost a member meanwhile is skipped for the next.
             if wait_ready(
@@ -108,18 +118,7 @@ class InPlaceRegroup(AgentBase):
             announce_finished(info.store, info.round)
             return self._succeeded(info)
         control.request_regroup()  # every rank stops at one step boundary
-        restarts = self._calls(restarts_used, info.store)
-        place_group(self._group, info, restarts)
-        self._coordinator = Coordinator(info.store, info.round, control)
-        generation = hand_over(
-            control,
-            self._group,
-            self._workers,
-            run_id=self._handler.get_run_id(),
-            use_agent_store=self._handler.use_agent_store,
-            error_files={r: logs.error_file for r, logs in self._logs.items()},
-        )
-        self._fence.watch(self._workers, info.round)
+        generation, restarts = self._hand_round_over(info)
         store, round_ = info.store, info.round
 
         def replaced() -> bool:
