@@ -4,7 +4,12 @@ member's agent beat since (``core/agent/departure.py``)."""
 from __future__ import annotations
 
 from elastic.core.agent.departure import all_beat_since
-from elastic.core.interfaces.failures import FailureRecord, may_be_peer_loss, says_nothing
+from elastic.core.interfaces.failures import (
+    FailureRecord,
+    may_be_peer_loss,
+    names_peer_loss,
+    says_nothing,
+)
 
 
 def test_every_member_must_beat_anew() -> None:
@@ -39,3 +44,16 @@ def test_only_a_failure_with_no_message_says_nothing() -> None:
     own = record("ValueError: bad batch", "Traceback ...\nValueError: bad batch")
     assert not says_nothing(own) and not may_be_peer_loss(own)
     assert not may_be_peer_loss(record(signal="SIGSEGV"))
+
+
+def test_what_torch_says_of_a_lost_peer_names_a_peer_loss() -> None:
+    """Messages seen when a rank went away while a regrouping worker connected."""
+    for text in (
+        "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. "
+        "Did the remote server shutdown or crash?",
+        "DistStoreError: Timed out after 5 seconds waiting for clients. 1/2 clients joined.",
+        "RuntimeError: Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: "
+        "SO_ERROR: Connection refused",
+    ):
+        assert names_peer_loss(text), text
+    assert not names_peer_loss("ValueError: bad batch")

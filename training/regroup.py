@@ -111,7 +111,8 @@ def regroup(*, broken: bool = False) -> tuple[int, int]:
             # (after they met). Like a group that broke under a step: the job re-forms,
             # and this worker, its state kept, joins the next round.
             failed_joins += 1
-            if failed_joins > MAX_FAILED_JOINS or not names_peer_loss(str(exc)):
+            said = f"{type(exc).__name__}: {exc}"  # torch's DistNetworkError says little else
+            if failed_joins > MAX_FAILED_JOINS or not names_peer_loss(said):
                 raise
             print(
                 f"elastic: joining round {generation} failed ({exc!r}); waiting for the job "

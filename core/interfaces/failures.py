@@ -223,7 +223,8 @@ _PEER_LOSS = re.compile(
     r"Connection closed by peer|Connection reset by peer|ECONNRESET|Broken pipe|"
     r"Connection refused|Socket Timeout|DistNetworkError|remote process exited|"
     r"NCCL communicator was aborted|ncclRemoteError|Timed out waiting .* for client|"
-    r"Timed out after .* waiting for clients|connectFullMesh failed",
+    r"Timed out after .* waiting for clients|connectFullMesh failed|"
+    r"Connection was likely closed",
     re.IGNORECASE,
 )
 
