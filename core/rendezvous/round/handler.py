@@ -259,17 +259,30 @@ class RoundRendezvousHandler(RendezvousHandler):
         return bool(read_lost(self.rdzv_store, self._current.round))
 
     def peer_heartbeats(self) -> dict[str, bytes | None] | None:
+        if self._monitor is None:
+            return None
+        others = self._round_others()
+        if others is None:
+            return None  # no round, or no roster for this job: cannot tell
+        # A member that left or finished has no live beat.
+        return {m: None if v in R.GONE else v for m, v in self._read_beats(others).items()}
+
+    def _round_others(self) -> list[str] | None:
+        """The other members of our last round, from its roster (read once a round);
+        None without a round or a roster."""
         asg = self._current
-        if asg is None or self._monitor is None:
+        if asg is None:
             return None
         try:
-            roster = self.protocol.roster(asg.round)  # read once a round
+            roster = self.protocol.roster(asg.round)
         except RendezvousStateError:
-            return None  # no roster for this job: cannot tell
-        others = [m for m in roster.members if m != self.node_id]
-        values = self.rdzv_store.read([R.hb_key(m) for m in others])
-        # A member that left or finished has no live beat.
-        return {m: None if v in R.GONE else v for m, v in zip(others, values, strict=True)}
+            return None
+        return [m for m in roster.members if m != self.node_id]
+
+    def _read_beats(self, members: list[str]) -> dict[str, bytes | None]:
+        """Each member's heartbeat value; None where it is absent or not the job's."""
+        values = self.rdzv_store.read([R.hb_key(m) for m in members])
+        return dict(zip(members, values, strict=True))
 
     def leave(self) -> None:
         """Record that we left (heartbeat "left", and ourselves in the round's lost list)
@@ -340,22 +353,19 @@ class RoundRendezvousHandler(RendezvousHandler):
     def wait_for_members(self, timeout: float) -> None:
         """Until the other members of our last round are done, gone or left (bounded),
         so they can still read job-wide keys at the end."""
-        asg = self._current
-        if asg is None:
-            return
         try:
-            others = [m for m in self.protocol.roster(asg.round).members if m != self.node_id]
-        except Exception:  # the store is gone (or holds no roster): nobody to wait for
+            others = self._round_others()
+        except Exception:  # the store is gone: nobody to wait for
             return
         tracker = LivenessTracker(self.settings.heartbeat_timeout, 0.2)
         deadline = time.monotonic() + timeout
         while others and time.monotonic() < deadline:
             try:
-                values = self.rdzv_store.multi_get([R.hb_key(m) for m in others])
+                values = self._read_beats(others)
             except Exception:  # the store is gone: nothing to wait for
                 return
             # A key that is gone (a lease expired) is a node that no longer needs the store.
-            beats = {m: v for m, v in zip(others, values, strict=True) if v}
+            beats = {m: v for m, v in values.items() if v}
             lost, done = tracker.update(beats, time.monotonic())
             finished = set(lost) | set(done)  # once, not per member: N can be 1000s
             others = [m for m in beats if m not in finished]
