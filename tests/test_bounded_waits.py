@@ -57,11 +57,12 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def three_ranks_one_stopped(tmp_path: Path, source: str) -> list[list[str]]:
+def three_ranks_one_stopped(tmp_path: Path, source: str, *, lost: bool = False) -> list[list[str]]:
     """Runs ``source`` as ranks 0-2, each with a control file of its own; rank 2 stops
     itself. Once ranks 0 and 1 print WAITING, and still after ``GIVE_UP_LATER`` s without
-    a newer round, their agents hand one over; returns what the two printed, each line
-    with the time since that hand-over where the line gives one."""
+    a newer round, their agents hand one over (``lost``: say instead that the round lost
+    a member, as when rank 2's node is found gone); returns what the two printed, each line
+    with the time since that hand-over (or word) where the line gives one."""
     script = tmp_path / "rank.py"
     script.write_text(source.replace("GLOO_TIMEOUT", str(GLOO_TIMEOUT)))
     port = str(free_port())
@@ -85,7 +86,10 @@ def three_ranks_one_stopped(tmp_path: Path, source: str) -> list[list[str]]:
         assert all(lines(o) == ["WAITING"] for o in survivors), [lines(o) for o in survivors]
         handed = time.time()
         for control in controls[:2]:
-            control.hand_over({0: {}})
+            if lost:
+                control.request_regroup(lost=True)
+            else:
+                control.hand_over({0: {}})
         for proc in procs[:2]:
             assert proc.wait(timeout=60) == 0, [lines(o) for o in outs]
         for rank in (0, 1):
@@ -110,11 +114,11 @@ def three_ranks_one_stopped(tmp_path: Path, source: str) -> list[list[str]]:
 TIMED = ("MOVED", "BROKE")  # lines whose number is a time.time()
 
 
-def gave_up_in_time(line: str, word: str) -> None:
+def gave_up_in_time(line: str, word: str, within: tuple[float, float] = (2.0, 15)) -> None:
     """``word`` came 2 s after the hand-over (plus a step: none yet), far below gloo's
     timeout; loaded machines lag."""
     name, after = line.split()
-    assert name == word and 2.0 <= float(after) < 15, line
+    assert name == word and within[0] <= float(after) < within[1], line
 
 
 @pytest.mark.timeout(150)
@@ -151,3 +155,32 @@ def test_a_wait_with_a_gone_peer_ends_once_a_newer_round_comes(
 
 
 GIVE_UP_LATER = 3.0  # s without a newer round: longer than the wait once one comes
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("init", "wait", "word"),
+    [
+        (
+            "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))",
+            "loop._all_reduce_max([1, 0])",
+            "MOVED",
+        ),
+        (
+            "init_process_group('gloo', timeout=GLOO_TIMEOUT)",
+            "dist.all_reduce(torch.ones(1))",
+            "BROKE",
+        ),
+    ],
+    ids=["step-agreement", "own-collective"],
+)
+def test_a_wait_with_a_peer_found_gone_ends_at_once(
+    tmp_path: Path, init: str, wait: str, word: str
+) -> None:
+    """The agents found rank 2's node gone (its round lost a member): the others give up
+    before any newer round is handed over, not its grace later."""
+    source = RANK.replace("{init}", init).replace("{wait}", wait)
+    for rows in three_ranks_one_stopped(tmp_path, source, lost=True):
+        waiting, gave_up, _ = rows
+        assert waiting == "WAITING", rows
+        gave_up_in_time(gave_up, word, within=(0.0, 1.5))

@@ -43,7 +43,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlFil
 
 
 def test_the_layout_is_one_definition() -> None:
-    assert HEADER.size == 4 * 8 and SLOT.size == 8 * 8
+    assert HEADER.size == 5 * 8 and SLOT.size == 8 * 8
     assert slot_offset(1) == HEADER.size + SLOT.size
     assert STEP_US < SLOT.size // 8
 

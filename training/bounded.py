@@ -14,7 +14,10 @@ main thread from a C++ wait, so the main thread never enters one without a bound
 
 and each gives up (``RoundMoved``) once the agent has handed over a round newer than the
 one this worker runs in and ``GIVE_UP_AFTER`` s (plus the worker's last step) have passed
-since: a live peer reaches its step boundary within that, and the agent waits longer.
+since: a live peer reaches its step boundary within that, and the agent waits longer. When
+the agent says this worker's round lost a member (``LOST_FIELD``: a node left, died or was
+cut off), the wait cannot end well and is given up at once, before the next round forms:
+a cut-off peer then costs its detection, not that plus the grace.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import socket
 import time
 from typing import Any
 
-from elastic.core.workers.control_file import GENERATION_FIELD, JOINED, STEP_US
+from elastic.core.workers.control_file import GENERATION_FIELD, JOINED, LOST_FIELD, STEP_US
 from elastic.training import control
 from elastic.training.heartbeat import WaitBeat
 
@@ -50,14 +53,18 @@ class RoundMoved(RuntimeError):
 
 
 class Watch:
-    """Whether this wait should end: a round newer than ours has been handed over for
-    ``GIVE_UP_AFTER`` s plus our last step, counted from the first time this watch saw it."""
+    """Whether this wait should end: our round lost a member, or a round newer than ours
+    has been handed over for ``GIVE_UP_AFTER`` s plus our last step, counted from the
+    first time this watch saw it."""
 
     def __init__(self) -> None:
         self._since: float | None = None
 
     def moved(self) -> bool:
-        if control.header(GENERATION_FIELD) <= control.mine(JOINED):
+        joined = control.mine(JOINED)
+        if control.header(LOST_FIELD) > joined:
+            return True  # a member of our round is gone: nothing to wait for
+        if control.header(GENERATION_FIELD) <= joined:
             self._since = None
             return False
         now = time.monotonic()

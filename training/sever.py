@@ -10,8 +10,9 @@ state it kept in place. No Python code runs in the main thread meanwhile.
 So a regrouping worker notes which sockets its group opened (``note``: the ones that
 appeared in ``/proc/self/fd`` while the group was made: gloo's pairs, the group's store)
 and runs a thread (``start``) that, once the agent has handed over a round newer than the
-one the worker runs in and ``bounded.GIVE_UP_AFTER`` s plus its last step have passed
-(``bounded.Watch``, the same rule as the bounded waits), shuts those sockets down. The
+one the worker runs in and ``bounded.GIVE_UP_AFTER`` s plus its last step have passed, or
+at once when the agent says the round lost a member (``bounded.Watch``, the same rule as
+the bounded waits), shuts those sockets down. The
 collective then fails at once as when a peer closes its connection ("Connection closed by
 peer"), and the worker rolls the step back and regroups in place (``elastic.train``; a
 low-level script sees the same error as after any peer's death). Only that group's
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 
-from elastic.core.workers.control_file import GENERATION_FIELD, JOINED
+from elastic.core.workers.control_file import GENERATION_FIELD, JOINED, LOST_FIELD
 from elastic.training import control
 from elastic.training.bounded import Watch
 
@@ -69,10 +70,10 @@ def start() -> None:
 
 def _watch() -> None:
     watch = Watch()
-    cut_for = -1  # the newer round this thread last cut the group for
+    cut_for = -1  # the newer round (handed over or lost) this thread last cut the group for
     while True:
         time.sleep(POLL)
-        newest = control.header(GENERATION_FIELD)
+        newest = max(control.header(GENERATION_FIELD), control.header(LOST_FIELD))
         if newest == cut_for or not watch.moved():
             continue
         noted = _noted[0] if _noted else None

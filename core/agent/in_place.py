@@ -95,7 +95,7 @@ class InPlaceRegroup(AgentBase):
         assert self._coordinator is not None
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
-            control.request_regroup()
+            control.request_regroup(lost=True)
         coordinator = self._coordinator
 
         def superseded() -> bool:  # asked every poll while the next round gets ready

@@ -83,7 +83,7 @@ def can_hand_to_starting(
     (late,) = store_call(store.multi_get, [LATE_ROUNDS_KEY])
     if not late:
         return False
-    control.request_regroup()
+    control.request_regroup(lost=outcome is not Outcome.MEMBERSHIP)
     return control.none_connecting()
 
 

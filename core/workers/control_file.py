@@ -3,8 +3,10 @@ what they did.
 
 One file per node (kept across rounds its workers survive), mapped shared by the agent
 and its workers. The header: the checkpoint request number, the regroup request number,
-the generation of the last round handed over (the round file beside it) and whether the
-agent is stopping its workers. Then one
+the generation of the last round handed over (the round file beside it), whether the
+agent is stopping its workers, and the regroup request number whose round lost a member
+(a collective of that round never completes: a worker waiting in one gives up at once
+instead of waiting for the next round to be handed over). Then one
 slot per local rank: (listening, saved, capable, joined, broken, step_us, ready, done).
 
 - "Listening" says the script uses the checkpoint API at all
@@ -48,11 +50,12 @@ ENV_CONTROL_SLOT = "ELASTIC_CONTROL_SLOT"
 # (``elastic.training.preemption``); set by the agent when it coordinates a save on it.
 ENV_PREEMPTION_SIGNAL = "ELASTIC_PREEMPTION_SIGNAL"
 ENV_PREEMPTION_GRACE = "ELASTIC_PREEMPTION_GRACE"
-# (checkpoint request number, regroup request number, generation handed over, stopping);
-# 0: none. "Stopping" is set before the agent signals its workers to end them: a worker
-# that defers the preemption signal (``elastic.training.preemption``) never defers that one.
-HEADER = struct.Struct("<QQQQ")
-CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD = 0, 1, 2, 3
+# (checkpoint request number, regroup request number, generation handed over, stopping,
+# lost request number); 0: none. "Stopping" is set before the agent signals its workers to
+# end them: a worker that defers the preemption signal (``elastic.training.preemption``)
+# never defers that one. "Lost" is a regroup request made because the round lost a member.
+HEADER = struct.Struct("<QQQQQ")
+CHECKPOINT_FIELD, REGROUP_FIELD, GENERATION_FIELD, STOPPING_FIELD, LOST_FIELD = range(5)
 # per local rank: (listening, saved request number, capable, joined, broken, step_us, ready,
 # done)
 SLOT = struct.Struct("<QQQQQQQQ")
@@ -154,8 +157,12 @@ class ControlFile:
         """Say the next signal the workers get is the agent ending them (not deferred)."""
         self._set(STOPPING_FIELD, 1)
 
-    def request_regroup(self) -> None:
-        """Ask every local worker to stop at its next step boundary for a new round."""
+    def request_regroup(self, *, lost: bool = False) -> None:
+        """Ask every local worker to stop at its next step boundary for a new round;
+        ``lost``: because the round lost a member (left, died, cut off), so a wait with
+        it (a collective, a meeting) is given up at once."""
+        if lost:
+            self._set(LOST_FIELD, self.generation + 1)
         self._set(REGROUP_FIELD, self.generation + 1)
 
     def hand_over(self, envs: Mapping[int, Mapping[str, str]]) -> int:
