@@ -61,13 +61,19 @@ class NodeHandler(LocalRendezvousHandler):
             members=members,
         )
 
+    def round_peers(self) -> list[str] | None:
+        """The other members of the last round."""
+        s = self.shared
+        with s.cond:
+            members = s.formed[max(s.formed)] if s.formed else []
+            return [m for m in members if m != self.name]
+
     def peer_heartbeats(self) -> dict[str, bytes | None] | None:
         """The other members of the last round, each with a fresh beat: agents that are
         threads of this process are alive while it runs."""
         s = self.shared
         with s.cond:
-            members = s.formed[max(s.formed)] if s.formed else []
-            return {m: str(next(s.beats)).encode() for m in members if m != self.name}
+            return {m: str(next(s.beats)).encode() for m in self.round_peers() or []}
 
     def num_nodes_waiting(self) -> int:
         with self.shared.cond:

@@ -25,8 +25,8 @@ with the last call, scale-up via ``num_nodes_waiting``, a SIGKILLed node reporte
 across nodes, ``compare_set``, ``wait`` timing out), unknown and out-of-range
 ``--rdzv-conf`` values, ``describe`` (read-only; an unknown job is an error), a refused
 fingerprint, and the membership rules the dynamic backends share (stable ranks, no last
-call after a departure, a departure is not completion, ``peer_heartbeats`` when a backend
-answers it). ``RendezvousTarget.not_applicable``
+call after a departure, a departure is not completion, ``round_peers`` and
+``peer_heartbeats`` when a backend answers them). ``RendezvousTarget.not_applicable``
 names the cases a backend skips (a fixed-membership backend has no scale-up).
 Nodes run as threads of the test process, each with its own handler, created in order
 (node 0 first, so a backend whose first handler hosts its server works), except the node
@@ -372,6 +372,24 @@ class RendezvousConformance:
         if infos[2].node_id:
             gone = infos[2].node_id
             assert wait_for(lambda: (a.peer_heartbeats() or {}).get(gone, b"") is None, 10)
+
+    def test_round_peers_are_the_other_members_as_lost_nodes_names_them(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        """``round_peers`` (optional): the other members of the current round, named as
+        ``lost_nodes`` names a member that leaves; the agent matches the two to tell a
+        loss of its workers' peer from a joiner's."""
+        a, b, c = nodes.make(run_id, 3, 3, n=3)
+        infos = rendezvous_all([a, b, c])
+        peers = a.round_peers()
+        if peers is None:
+            pytest.skip("this backend cannot tell (round_peers answers None)")
+        assert len(peers) == 2 and infos[0].node_id not in peers, peers
+        if infos[1].node_id:
+            assert set(peers) == {infos[1].node_id, infos[2].node_id}, peers
+        c.shutdown()  # a departure
+        assert wait_for(lambda: lost_nodes(a), rdzv_target.detect_timeout)
+        assert set(lost_nodes(a)) <= set(peers), (lost_nodes(a), peers)
 
     def test_out_of_range_config_is_rejected(
         self, rdzv_target: RendezvousTarget, run_id: str

@@ -9,7 +9,8 @@ on to the next round, and the two other kept nodes' workers keep their processes
 are told the newer round and re-form again, never restarted by their agents (which once
 waited out their bounds and restarted every worker, losing the in-place state); the
 joiner's worker, still starting, takes the newer round as it creates its group instead of
-being restarted."""
+being restarted. When the kept node is cut off instead, the others' workers, blocked in a
+collective with it, are freed as soon as it is found gone, not once the joiner is ready."""
 
 from __future__ import annotations
 
@@ -96,3 +97,42 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
     all_done(seen, 4, value)
     first = min(e["t"] for e in seen if e["event"] == "step" and e["world"] == 4)
     print(f"a second joiner: first step of the 4-node world {first - second:.2f}s after it started")
+
+
+@pytest.mark.timeout(300)
+def test_a_member_cut_off_while_a_joiner_gets_ready_frees_the_kept_workers_at_once(
+    cluster_factory: Make, tmp_path
+) -> None:
+    """The cut-off node's peers wait for it in a collective (no connection closes). Found
+    gone while the round with the joiner is readied, it makes that round superseded; the
+    kept workers give their wait up then, while the joiner's worker still sleeps, rather
+    than after it got ready and the next round was handed over (2 s later still)."""
+    cluster = cluster_factory(4)
+    nodes = list(cluster.hosts)
+    kept, victim, joiner = nodes[:2], nodes[2], nodes[3]
+    job = start_job(cluster, tmp_path, "2:4", nodes[:3], JOIN_STEPS)
+    (job.workdir / f"slow-start-{joiner.name}").write_text(str(JOINER_SLEEPS))
+    job.start(joiner)
+    with_joiner = re.compile(r"round \d+ formed: 4 nodes")
+    formed = wait_until(lambda: with_joiner.search(job.nodes[kept[0].name].text()), 60)
+    assert formed, job.texts()
+    cut = time.time()
+    cluster.cut(victim)  # the kept workers train on in the old group, with the victim
+    freed = "rolled back, waiting for the job to re-form"
+
+    def freed_or_joiner_up() -> bool:
+        return freed in job.nodes[kept[0].name].text() or job.latest(joiner) is not None
+
+    assert wait_until(freed_or_joiner_up, 60), job.texts()
+    gone_after = time.time() - cut
+    assert job.latest(joiner) is None, (
+        f"the kept workers waited for the joiner's worker (up {gone_after:.1f}s after the "
+        f"cut) before they gave up the cut-off peer\n{job.texts()}"
+    )
+    finish(job, [*kept, joiner])
+    seen = workers_kept(job, kept, cut)
+    assert {e["world"] for e in seen if e["event"] == "done"} == {3}, job.texts()
+    print(f"a cut during the join: kept workers freed {gone_after:.2f}s after it")
+
+
+JOINER_SLEEPS = 12  # s the joiner's worker sleeps before import torch: past the detection

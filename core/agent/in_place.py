@@ -27,6 +27,7 @@ from elastic.core.agent.regroup import (
     finished,
     finished_untaken,
     hand_over,
+    lost_a_peer,
     patience,
     replaced_in,
     round_superseded,
@@ -87,11 +88,23 @@ class InPlaceRegroup(AgentBase):
         self._fence.watch(self._workers, info.round)
         return generation, restarts
 
-    def _regroup_in_place(self, outcome: Outcome) -> tuple[RendezvousInfo, bool] | RunResult | None:
+    def _workers_peers(self) -> list[str] | None:
+        """The other members of the round our workers run in (the handler's current one
+        until the next rendezvous); None when the backend cannot tell or the store does
+        not answer."""
+        try:
+            return self._calls(self._handler.round_peers)
+        except RendezvousError:
+            return None
+
+    def _regroup_in_place(
+        self, outcome: Outcome, peers: list[str] | None
+    ) -> tuple[RendezvousInfo, bool] | RunResult | None:
         """The job re-forms and our workers can follow it (``core/agent/regroup.py``):
         join the next round and hand it to them; workers that do not take it in time are
-        restarted in it. Returns the round to watch and whether this node counted itself
-        ready for it (it did), or what ``_attempt`` returns."""
+        restarted in it. ``peers``: the other members of our workers' round. Returns the
+        round to watch and whether this node counted itself ready for it (it did), or
+        what ``_attempt`` returns."""
         assert self._coordinator is not None
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
@@ -112,6 +125,8 @@ class InPlaceRegroup(AgentBase):
                 info.store, info.round, info.world_size, self._workers, self._sleep, superseded
             ):
                 break
+            if lost_a_peer(self._handler, peers):  # ours wait with it in vain
+                control.request_regroup(lost=True)
         if finished(self._workers, self._sleep):  # meanwhile, in the old round
             # The new round's new workers wait for a group that will not come: their
             # agents see the job finished and meet us at this round's exit barrier.

@@ -288,9 +288,10 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
         counts is in flight (waiting for the joiners to get ready), the job re-forms
         without the holder as after any departure: the same workers go on to the next
         round where the store is now (``_loop`` would stop them and lose their state)."""
+        peers = self._workers_peers()  # before the next rendezvous moves the handler on
         while True:
             try:
-                return self._regroup_in_place(outcome)
+                return self._regroup_in_place(outcome, peers)
             except RendezvousStoreMovedError as exc:
                 coordinator = self._coordinator
                 assert coordinator is not None

@@ -22,7 +22,7 @@ exit takes (``finished_untaken``). Never imports torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
@@ -124,6 +124,16 @@ def round_superseded(handler: RendezvousHandler) -> bool:
     waiting for this round's readiness would only miss it: the round forms without it
     after the last call. Both answers are the handler's cached ones, as the monitor's."""
     return bool(store_call(handler.lost_nodes)) or store_call(handler.num_nodes_waiting) > 0
+
+
+def lost_a_peer(handler: RendezvousHandler, peers: Collection[str] | None) -> bool:
+    """Whether the round being readied, just superseded, lost a node that is a member of
+    our workers' group (``peers``: its other members; None: not known). Their waits with
+    it (a collective, a meeting) cannot end, so they are told to give them up at once; a
+    lost joiner leaves their group whole, and they train on in it."""
+    if not peers:
+        return False
+    return not set(store_call(handler.lost_nodes)).isdisjoint(peers)
 
 
 def wait_ready(

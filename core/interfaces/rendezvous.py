@@ -352,6 +352,15 @@ class RendezvousHandler(abc.ABC):
         """
         return bool(self.lost_nodes())
 
+    def round_peers(self) -> list[str] | None:
+        """The node ids of the other members of the current round, as ``lost_nodes``
+        names them; answered from what the node already holds (a round's roster is read
+        once). Asked when a round being readied is superseded: a node lost that was a
+        member of our workers' round means their waits with it cannot end, and they give
+        them up at once. None: this backend cannot tell (the workers then give up once
+        the next round is handed over, a few seconds later)."""
+        return None
+
     def peer_heartbeats(self) -> dict[str, bytes | None] | None:
         """Fresh from the store (not cached): the latest heartbeat of each other member of
         the current round, a value that changes each time that member's agent beats

@@ -261,13 +261,13 @@ class RoundRendezvousHandler(RendezvousHandler):
     def peer_heartbeats(self) -> dict[str, bytes | None] | None:
         if self._monitor is None:
             return None
-        others = self._round_others()
+        others = self.round_peers()
         if others is None:
             return None  # no round, or no roster for this job: cannot tell
         # A member that left or finished has no live beat.
         return {m: None if v in R.GONE else v for m, v in self._read_beats(others).items()}
 
-    def _round_others(self) -> list[str] | None:
+    def round_peers(self) -> list[str] | None:
         """The other members of our last round, from its roster (read once a round);
         None without a round or a roster."""
         asg = self._current
@@ -354,7 +354,7 @@ class RoundRendezvousHandler(RendezvousHandler):
         """Until the other members of our last round are done, gone or left (bounded),
         so they can still read job-wide keys at the end."""
         try:
-            others = self._round_others()
+            others = self.round_peers()
         except Exception:  # the store is gone: nobody to wait for
             return
         tracker = LivenessTracker(self.settings.heartbeat_timeout, 0.2)
