@@ -159,7 +159,9 @@ class Campaign:
 
     def job(self, cluster: Cluster, name: str) -> FaultJob:
         hosts = cluster.hosts[:JOB_HOSTS]
-        if self.backend == "c10d":
+        if self.impl == "torchrun":  # torch's c10d takes one endpoint: the first host
+            endpoint = f"{hosts[0].name}:{C10D_PORT}"
+        elif self.backend == "c10d":
             endpoint = ",".join(f"{h.name}:{C10D_PORT}" for h in hosts)
         else:
             endpoint = etcd_endpoint(cluster.hosts[JOB_HOSTS:])
