@@ -314,10 +314,11 @@ class Campaign:
                 member.kill()
                 return {"kind": "etcd-member-sigkill", "host": member.name}
             return None
-        eligible = list(up)
+        # An agent that ended by itself (its job failed: torchrun's often) takes no fault.
+        eligible = [h for h in up if job.nodes[h.name].proc.poll() is None]
         if self.backend == "c10d" and fault.kind in ("sigkill", "cut"):
             holder = self.holder(job, hosts)
-            eligible = [h for h in up if h is not holder]
+            eligible = [h for h in eligible if h is not holder]
         if not eligible:
             return None
         target = planned if planned in eligible else self.rng.choice(eligible)
