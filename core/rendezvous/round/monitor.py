@@ -86,7 +86,7 @@ class Monitor:
             self.store, node_id, interval, timeout, presence, hello, self._want_tick
         )
         if presence is not None:
-            presence.on_change = self._want_tick
+            presence.on_change = presence.on_left = self._want_tick
         self._thread: threading.Thread | None = None
         self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
@@ -123,15 +123,22 @@ class Monitor:
         )
         self._thread.start()
 
-    def stop(self, wait: bool = True) -> None:
+    def stop(self, wait: bool = True, keep_links: bool = False) -> None:
         """Stop the threads; ``wait=False`` when one may be stuck in a store call (a
-        partition) and the caller must not be held up by it."""
+        partition) and the caller must not be held up by it. ``keep_links``: the presence
+        connections stay until ``say_left`` (a departure, once it is published)."""
         self._stop.set()
         self._wake.set()
         self.lease.stop()
-        self.liveness.links.stop()
+        if not keep_links:
+            self.liveness.links.stop()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
+
+    def say_left(self) -> None:
+        """Close the presence connections with ``left``: this node published its
+        departure, and the serving rank reads it now and tells the others."""
+        self.liveness.links.stop(leaving=True)
 
     def suspend_heartbeats(self) -> None:
         """Stop the keep-alives but keep watching (how tests simulate a hung node)."""
@@ -310,6 +317,10 @@ class Monitor:
         lost = self.liveness.members(asg, rank, beat_of, asked, answered)
         with self._lock:
             current = asg is self._round  # not replaced by a new round meanwhile
+            # What the members connected to us must hear now, not on their next tick.
+            news = current and (
+                not set(lost) <= set(self.lost) or waiting > self.waiting or closed > self.closed
+            )
             if current:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
@@ -318,6 +329,8 @@ class Monitor:
             tell = current and self.node_id in lost and self._told_lost != asg.round
             if tell:
                 self._told_lost = asg.round
+        if news and rank in SERVING_RANKS and self.liveness.presence is not None:
+            self.liveness.presence.tell_news()
         if tell:  # the others count us out: our workers must stop now
             self._tell_fenced(asg.round)
 
