@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from elastic.core.rendezvous.round.presence import PresenceClient, PresenceServer, hello_line
+from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
+from elastic.core.rendezvous.round.presence_client import PresenceClient
 from elastic.harness.c10d_handlers import Make, c10d_handlers, rendezvous_all
 from elastic.testing.ports import free_port
 from elastic.testing.waits import wait_until

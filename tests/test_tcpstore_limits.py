@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 from elastic.core.interfaces.store import StoreTimeoutError
-from elastic.core.rendezvous.round import presence
+from elastic.core.rendezvous.round import presence, presence_client
 from elastic.core.rendezvous.round.presence import PresenceServer, hello_line
 from elastic.core.tcpstore import TCPStoreClient, TCPStoreServer, limits, wire
 from elastic.harness.commands import REPO
@@ -389,16 +389,16 @@ def test_a_member_stopped_while_it_connects_says_goodbye(
     leaves with a goodbye: rank 0 never takes it for a death (it did, for 1 in 7 members
     of a 1024-node round)."""
     connected, stopped = threading.Event(), threading.Event()
-    real_connect = presence.PresenceClient._connect
+    real_connect = presence_client.PresenceClient._connect
 
-    def connect_then_stall(self: presence.PresenceClient) -> socket.socket | None:
+    def connect_then_stall(self: presence_client.PresenceClient) -> socket.socket | None:
         sock = real_connect(self)
         connected.set()
         stopped.wait(5)
         return sock
 
-    monkeypatch.setattr(presence.PresenceClient, "_connect", connect_then_stall)
-    client = presence.PresenceClient(HOST, presence_port.port, hello_of("n1"), lambda: None)
+    monkeypatch.setattr(presence_client.PresenceClient, "_connect", connect_then_stall)
+    client = presence_client.PresenceClient(HOST, presence_port.port, hello_of("n1"), lambda: None)
     assert connected.wait(5)
     client.stop()
     stopped.set()
@@ -417,7 +417,7 @@ def test_a_rank_0_too_busy_to_accept_is_not_taken_for_dead() -> None:
         gone = threading.Event()
         listener = socket.create_server((HOST, 0), backlog=0)
         port = listener.getsockname()[1]
-        client = presence.PresenceClient(HOST, port, hello_of("n1"), gone.set)
+        client = presence_client.PresenceClient(HOST, port, hello_of("n1"), gone.set)
         member, _ = listener.accept()
         member.sendall(b"0" * presence.NONCE_LEN + b"\n")  # a challenge
         # Busy: a connection nobody accepts fills the accept queue (of 1), so the next

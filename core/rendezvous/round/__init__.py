@@ -12,10 +12,11 @@ small coordination store. Owns, top to bottom (its own order, contract ``round``
                                           closing, job keys); the lines a person reads
                   liveness         who died: heartbeat values, presence, lost lists
                     links, lease   connections to rank 0 and its deputy; keep-alives, fencing
-                      presence, probe   a dead agent seen at once (the port and its
-                                        client); asking a port that never connected
-                        records, judges   keys and JSON records; the thread that judges leases
-                          signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
+                      presence_client   a member's end of a presence connection
+                        presence, probe   a dead agent seen at once (the serving port);
+                                          asking a port that never connected
+                          records, judges   keys and JSON records; the thread that judges leases
+                            signing, settings   the HMAC rule; the ``--rdzv-conf`` keys
 
 Imports, outside the round, ``tcpstore`` (``presence``: the listening limits),
 ``interfaces``, ``log`` and its siblings ``net``, ``fingerprint`` and ``secrets``; it may

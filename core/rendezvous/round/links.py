@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 
 from elastic.core.rendezvous.round import records as R
-from elastic.core.rendezvous.round.presence import PresenceClient
+from elastic.core.rendezvous.round.presence_client import PresenceClient
 
 
 def _nothing() -> None:

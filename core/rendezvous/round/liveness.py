@@ -28,7 +28,8 @@ from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import RendezvousStateError
 from elastic.core.rendezvous.round import records as R
 from elastic.core.rendezvous.round.links import PresenceLinks
-from elastic.core.rendezvous.round.presence import CONNECT_WAIT, PresenceClient, PresenceServer
+from elastic.core.rendezvous.round.presence import CONNECT_WAIT, PresenceServer
+from elastic.core.rendezvous.round.presence_client import PresenceClient
 from elastic.core.rendezvous.round.probe import refusing
 from elastic.core.rendezvous.round.signing import read_values
 

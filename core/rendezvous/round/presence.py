@@ -2,8 +2,9 @@
 
 When a process dies (SIGKILL, OOM, a segfault) its kernel closes its TCP connections at
 once. Each member of a formed round keeps a connection to rank 0's agent, and to rank 1's
-(the deputy) once rank 0 is gone (``PresenceClient`` -> ``PresenceServer``), so a death is
-an end of stream on the other side, published as lost on a tick woken for it.
+(the deputy) once rank 0 is gone (``presence_client.PresenceClient`` ->
+``PresenceServer``), so a death is an end of stream on the other side, published as lost
+on a tick woken for it.
 
 A connection that closes is not yet a death (a blip, a proxy, a client restarting): it
 counts only when no new one from the same node arrived within ``BLIP_GRACE``, and, on a
@@ -330,116 +331,3 @@ class PresenceServer:
                 self._closed_at[node] = time.monotonic()
         if unasked:
             self.on_change()
-
-
-class PresenceClient:
-    """A member's end: one connection to a serving rank's agent; ``on_gone()`` once when
-    its process is gone (its connection closed unasked and did not come back),
-    ``on_bye()`` once when it said goodbye (it left on purpose), ``on_news()`` each time it
-    says the round's facts changed."""
-
-    def __init__(
-        self,
-        addr: str,
-        port: int,
-        hello: Callable[[str], bytes],
-        on_gone: Callable[[], None],
-        on_bye: Callable[[], None] = lambda: None,
-        on_news: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._target = (addr, port)
-        self._hello = hello  # our hello for rank 0's challenge
-        self._on_gone, self._on_bye, self._on_news = on_gone, on_bye, on_news
-        self._stop = threading.Event()
-        self._sock: socket.socket | None = None
-        self._refused = False  # the last connect failed because nothing listened
-        self._goodbye = BYE
-        self._thread = threading.Thread(target=self._run, name="rdzv-presence-client", daemon=True)
-        self._thread.start()
-
-    def stop(self, leaving: bool = False) -> None:
-        """Leave on purpose: say goodbye, so rank 0 never takes this for a death;
-        ``leaving``: this node left the job and published it (``LEFT``)."""
-        self._stop.set()
-        self._goodbye = LEFT if leaving else BYE
-        sock = self._sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.sendall(self._goodbye)
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def _connect(self) -> socket.socket | None:
-        """A connection to rank 0's port with our hello sent in answer to its challenge;
-        None when that failed (``_refused``: because rank 0's host answered that nothing
-        listens there)."""
-        self._refused = False
-        try:
-            sock = socket.create_connection(self._target, timeout=HELLO_WAIT)
-        except ConnectionRefusedError:
-            self._refused = True
-            return None
-        except OSError:
-            return None
-        try:
-            nonce = _read_challenge(sock)
-            if nonce is None:
-                sock.close()
-                return None
-            sock.sendall(self._hello(nonce))
-            sock.settimeout(None)
-            return sock
-        except OSError:
-            sock.close()
-            return None
-
-    def _run(self) -> None:
-        sock = self._connect()
-        if sock is None:
-            return  # rank 0 never listened (an older agent): the heartbeats still count
-        while True:
-            self._sock = sock
-            if self._stop.is_set():  # stopped while connecting: goodbye, then close
-                with contextlib.suppress(OSError):
-                    sock.sendall(self._goodbye)
-                sock.close()
-                return
-            try:
-                data = sock.recv(64)
-            except OSError:
-                data = b""
-            if data and BYE.strip() not in data:
-                if NEWS.strip() in data:  # a word of 5 bytes: never split in practice
-                    self._on_news()
-                continue  # rank 0 sends nothing else; ignore it
-            sock.close()
-            if self._stop.is_set() or data:  # we stopped, or it left on purpose
-                return None if self._stop.is_set() else self._on_bye()
-            deadline = time.monotonic() + BLIP_GRACE
-            sock, refused = None, True
-            while sock is None and time.monotonic() < deadline and not self._stop.is_set():
-                time.sleep(0.05)
-                sock = self._connect()
-                refused = refused and self._refused
-            if sock is None:
-                # Only refusals say rank 0's process is gone. A connect that timed out
-                # (a rank 0 too busy to accept, a partition) says nothing: the heartbeats
-                # judge it.
-                if refused and not self._stop.is_set():
-                    self._on_gone()
-                return
-
-
-def _read_challenge(sock: socket.socket) -> str | None:
-    """Rank 0's challenge, the first line on a new connection (the socket's timeout
-    bounds the wait); None when what came is not one (not our presence port)."""
-    line = b""
-    while not line.endswith(b"\n") and len(line) <= NONCE_LEN:
-        chunk = sock.recv(NONCE_LEN + 1 - len(line))
-        if not chunk:
-            return None
-        line += chunk
-    nonce = line.strip()
-    if len(nonce) != NONCE_LEN or not all(c in b"0123456789abcdef" for c in nonce):
-        return None
-    return nonce.decode()
