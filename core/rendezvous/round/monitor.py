@@ -86,7 +86,8 @@ class Monitor:
             self.store, node_id, interval, timeout, presence, hello, self._want_tick
         )
         if presence is not None:
-            presence.on_change = presence.on_left = self._want_tick
+            presence.on_change = self._want_tick
+            presence.on_left = self._someone_left
         self._thread: threading.Thread | None = None
         self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
@@ -191,6 +192,15 @@ class Monitor:
         with self._lock:
             self._tick_now = True
         self._wake.set()
+
+    def _someone_left(self) -> None:
+        """A member connected to us said it left (its departure is written): read it now,
+        unless the round already lost someone (it re-forms anyway; a thousand nodes
+        scaled in at once must not make a thousand ticks of a thousand keys)."""
+        with self._lock:
+            known = bool(self.lost)
+        if not known:
+            self._want_tick()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
@@ -317,9 +327,13 @@ class Monitor:
         lost = self.liveness.members(asg, rank, beat_of, asked, answered)
         with self._lock:
             current = asg is self._round  # not replaced by a new round meanwhile
-            # What the members connected to us must hear now, not on their next tick.
+            # What the members connected to us must hear now, not on their next tick: the
+            # round's first loss, its first node waiting, its close. Once per round each,
+            # as after it the round re-forms anyway.
             news = current and (
-                not set(lost) <= set(self.lost) or waiting > self.waiting or closed > self.closed
+                bool(lost and not self.lost)
+                or bool(waiting and not self.waiting)
+                or closed > self.closed
             )
             if current:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
