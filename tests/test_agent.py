@@ -271,7 +271,7 @@ def test_a_store_unanswered_while_the_job_re_forms_fences_and_a_store_gone_ends(
 
     agent = LocalElasticAgent(make_spec(LocalRendezvousHandler("job"), ("-c", "pass"), 1))
 
-    def regroup(outcome: Outcome) -> None:
+    def regroup(outcome: Outcome, peers: list[str] | None) -> None:
         raise raised
 
     agent._regroup_in_place = regroup  # type: ignore[method-assign]
