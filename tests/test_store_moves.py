@@ -128,7 +128,9 @@ def test_a_replacement_on_the_first_endpoint_joins_the_moved_store(
     ok = wait_until(lambda: job.running_together(hosts, again), FORM_TIMEOUT)
     alone = [r for r in job.starts() if r["host"] == hosts[0].name and r["t"] > again]
     assert ok, f"the replacement never joined the run's store\n{job.texts()}"
-    assert {r["world"] for r in alone} == {3}, f"the replacement trained apart: {alone}"
+    assert {r["world"] for r in alone} == {3}, (
+        f"the replacement trained apart: {alone}\n{job.texts()}"
+    )
     no_restart_spent(job)
     finish(job, hosts)
     print(f"replacement on the first endpoint host joined; survivors had run after {took:.2f}s")

@@ -1,7 +1,7 @@
 """A member's end of presence (``presence.py``): one connection to a serving rank's
 agent, answering its challenge with our hello; it tells the member when that rank's
-process is gone (its connection closed unasked and its port refuses us), when it left on
-purpose (``bye``), and when it says the round's facts changed (``news``)."""
+process is gone (its connection closed unasked and its port refuses us) and when it left
+on purpose (``bye``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from elastic.core.rendezvous.round.presence import (
     BLIP_GRACE,
     BYE,
     HELLO_WAIT,
-    LEFT,
-    NEWS,
     NONCE_LEN,
 )
 
@@ -24,8 +22,7 @@ from elastic.core.rendezvous.round.presence import (
 class PresenceClient:
     """A member's end: one connection to a serving rank's agent; ``on_gone()`` once when
     its process is gone (its connection closed unasked and did not come back),
-    ``on_bye()`` once when it said goodbye (it left on purpose), ``on_news()`` each time it
-    says the round's facts changed."""
+    ``on_bye()`` once when it said goodbye (it left on purpose)."""
 
     def __init__(
         self,
@@ -34,27 +31,23 @@ class PresenceClient:
         hello: Callable[[str], bytes],
         on_gone: Callable[[], None],
         on_bye: Callable[[], None] = lambda: None,
-        on_news: Callable[[], None] = lambda: None,
     ) -> None:
         self._target = (addr, port)
         self._hello = hello  # our hello for rank 0's challenge
-        self._on_gone, self._on_bye, self._on_news = on_gone, on_bye, on_news
+        self._on_gone, self._on_bye = on_gone, on_bye
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._refused = False  # the last connect failed because nothing listened
-        self._goodbye = BYE
         self._thread = threading.Thread(target=self._run, name="rdzv-presence-client", daemon=True)
         self._thread.start()
 
-    def stop(self, leaving: bool = False) -> None:
-        """Leave on purpose: say goodbye, so rank 0 never takes this for a death;
-        ``leaving``: this node left the job and published it (``LEFT``)."""
+    def stop(self) -> None:
+        """Leave on purpose: say goodbye, so rank 0 never takes this for a death."""
         self._stop.set()
-        self._goodbye = LEFT if leaving else BYE
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.sendall(self._goodbye)
+                sock.sendall(BYE)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
@@ -90,7 +83,7 @@ class PresenceClient:
             self._sock = sock
             if self._stop.is_set():  # stopped while connecting: goodbye, then close
                 with contextlib.suppress(OSError):
-                    sock.sendall(self._goodbye)
+                    sock.sendall(BYE)
                 sock.close()
                 return
             try:
@@ -98,8 +91,6 @@ class PresenceClient:
             except OSError:
                 data = b""
             if data and BYE.strip() not in data:
-                if NEWS.strip() in data:  # a word of 5 bytes: never split in practice
-                    self._on_news()
                 continue  # rank 0 sends nothing else; ignore it
             sock.close()
             if self._stop.is_set() or data:  # we stopped, or it left on purpose
