@@ -121,27 +121,28 @@ def gave_up_in_time(line: str, word: str, within: tuple[float, float] = (2.0, 15
     assert name == word and within[0] <= float(after) < within[1], line
 
 
+# (init, wait, word): how a rank makes its group, what it waits in, what it prints then.
+# elastic.train's step agreement, bounded (torch's own init: nothing to cut): the group,
+# whose gloo thread still waits, is kept and left at once.
+STEP_AGREEMENT = (
+    "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))",
+    "loop._all_reduce_max([1, 0])",
+    "MOVED",
+)
+# The script's own collective: freed by cutting its group's connections (sever).
+OWN_COLLECTIVE = (
+    "init_process_group('gloo', timeout=GLOO_TIMEOUT)",
+    "dist.all_reduce(torch.ones(1))",
+    "BROKE",
+)
+WAIT_IDS = ["step-agreement", "own-collective"]
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
     ("init", "wait", "word", "leaves_within"),
-    [
-        # elastic.train's step agreement, bounded (torch's own init: nothing to cut): the
-        # group, whose gloo thread still waits, is kept and left at once
-        (
-            "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))",
-            "loop._all_reduce_max([1, 0])",
-            "MOVED",
-            1.0,
-        ),
-        # the script's own collective: freed by cutting its group's connections (sever)
-        (
-            "init_process_group('gloo', timeout=GLOO_TIMEOUT)",
-            "dist.all_reduce(torch.ones(1))",
-            "BROKE",
-            5.0,
-        ),
-    ],
-    ids=["step-agreement", "own-collective"],
+    [(*STEP_AGREEMENT, 1.0), (*OWN_COLLECTIVE, 5.0)],
+    ids=WAIT_IDS,
 )
 def test_a_wait_with_a_gone_peer_ends_once_a_newer_round_comes(
     tmp_path: Path, init: str, wait: str, word: str, leaves_within: float
@@ -158,22 +159,7 @@ GIVE_UP_LATER = 3.0  # s without a newer round: longer than the wait once one co
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    ("init", "wait", "word"),
-    [
-        (
-            "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=GLOO_TIMEOUT))",
-            "loop._all_reduce_max([1, 0])",
-            "MOVED",
-        ),
-        (
-            "init_process_group('gloo', timeout=GLOO_TIMEOUT)",
-            "dist.all_reduce(torch.ones(1))",
-            "BROKE",
-        ),
-    ],
-    ids=["step-agreement", "own-collective"],
-)
+@pytest.mark.parametrize(("init", "wait", "word"), [STEP_AGREEMENT, OWN_COLLECTIVE], ids=WAIT_IDS)
 def test_a_wait_with_a_peer_found_gone_ends_at_once(
     tmp_path: Path, init: str, wait: str, word: str
 ) -> None:
