@@ -168,6 +168,27 @@ def test_min_max_last_call_then_scale_up_with_stable_ranks(make: Make) -> None:
     assert newest.rank == 3
 
 
+def test_a_live_member_slow_to_see_a_scale_up_is_waited_for_past_a_short_last_call(
+    make: Make,
+) -> None:
+    """A member learns of a waiting node on its next tick, then its agent looks: with a
+    last call (0.3 s) shorter than that, the round still waits for a live member of the
+    last round (a heartbeat interval plus ``NOTICE_MARGIN``), rather than form without
+    it and re-form a second later."""
+    conf = {"last_call_timeout": "0.3", "heartbeat_interval": "1", "heartbeat_timeout": "3"}
+    a, b = make(2, 3, **conf), make(2, 3, **conf)
+    check_round(rendezvous_all([a, b]), 2)
+    late = make(2, 3, **conf)
+    with ThreadPoolExecutor(3) as pool:
+        pending = pool.submit(late.next_rendezvous)
+        assert wait_until(lambda: a.num_nodes_waiting() > 0, timeout=10)
+        first = pool.submit(a.next_rendezvous)
+        time.sleep(1.2)  # b's tick and its agent's look come later
+        second = pool.submit(b.next_rendezvous)
+        infos = [f.result(timeout=20) for f in (first, second, pending)]
+    check_round(infos, 3)
+
+
 def test_full_job_keeps_late_node_on_standby(make: Make) -> None:
     handlers = [make(1, 2, last_call_timeout="5") for _ in range(2)]  # max: no wait
     check_round(rendezvous_all(handlers), 2)

@@ -29,6 +29,13 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 log = logging.getLogger(__name__)
 
 JOIN_WAIT = 0.25  # s a coordinator waiting for joiners sleeps at most between two looks
+# s a live member of the last round takes, beyond one heartbeat interval (its monitor's
+# tick that reads the new round's count), to join it: its agent's look at the cached
+# count (every 0.5 s) and its workers' stop. The last call for such a member lasts at
+# least a heartbeat interval plus this, whatever last_call_timeout says: a shorter one
+# forms the round without a member that could not have known of it yet (and re-forms
+# it a second later, when that member asks again).
+NOTICE_MARGIN = 1.0
 
 
 class Coordinator:
@@ -85,7 +92,10 @@ class Coordinator:
                     next_beats = now + self.s.heartbeat_interval
                     gone |= self._gone(expected - ids, beats)
                     expected -= gone
-                if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
+                last_call = self.s.last_call_timeout
+                if expected - ids:  # a live survivor may not have read the round yet
+                    last_call = max(last_call, self.s.heartbeat_interval + NOTICE_MARGIN)
+                if now - min_at >= last_call or (expected and expected <= ids):
                     ready = True
             if ready:
                 here = self._still_here(joined)
@@ -102,8 +112,8 @@ class Coordinator:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)  # one node polls: cheap, and adds <10 ms
             else:  # asleep until the next join (the store wakes us) or a clock is due
-                last_call = min_at + self.s.last_call_timeout if min_at is not None else deadline
-                self._await_join(rnd, seen + 1, min(deadline, last_call) - now)
+                due = min_at + self.s.last_call_timeout if min_at is not None else deadline
+                self._await_join(rnd, seen + 1, min(deadline, due) - now)
         return self._form(rnd, joined, prev_roster)
 
     def _form(
