@@ -291,7 +291,9 @@ class RoundRendezvousHandler(RendezvousHandler):
         if self._left or self.params.read_only or self._monitor is None:
             return
         self._left = True
-        self._monitor.stop(wait=False)
+        # Our presence connections close after the departure is written: their "left"
+        # makes the serving rank read it at once and tell every other member.
+        self._monitor.stop(wait=False, keep_links=True)
         try:
             self.rdzv_store.set(R.hb_key(self.node_id), R.LEFT)
             if self._current is not None:
@@ -300,6 +302,8 @@ class RoundRendezvousHandler(RendezvousHandler):
             pass  # no store, no job left to tell: the agent has said so in its own line
         except RendezvousError as exc:
             log.warning("%s rendezvous: could not record our departure: %s", self.backend, exc)
+        finally:
+            self._monitor.say_left()
 
     def shutdown(self) -> bool:
         """Leave the job: "done" when it is closed (our workers finished it), otherwise

@@ -6,7 +6,8 @@ second is seen). When rank 0 is gone (it said goodbye on leaving, or its port re
 us after its connection closed) and the job re-forms without it, the member connects to
 rank 1's, the deputy, which listens on through the regroup: a member that dies then is
 still found by a closed connection, not after ``heartbeat_timeout``. In a running round
-nobody connects to the deputy, so a round costs one connection per member.
+nobody connects to the deputy, so a round costs one connection per member. A serving
+rank's ``news`` on a connection wakes the monitor for a tick at once.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class PresenceLinks:
             return None
         bye = partial(self._to_deputy, asg) if serving == 0 else _nothing
         hello = partial(self.hello, asg.round)
-        return PresenceClient(addr, port, hello, partial(self._died, asg, node), bye)
+        return PresenceClient(addr, port, hello, partial(self._died, asg, node), bye, self._wake)
 
     def _to_deputy(self, asg: R.Assignment) -> None:
         """Rank 0 of ``asg`` is gone: connect to its deputy, which listens on while the
@@ -109,14 +110,15 @@ class PresenceLinks:
             self._deputy_plan = self._mine
         self._wake()
 
-    def stop(self) -> None:
-        """Close our connections, saying goodbye."""
+    def stop(self, leaving: bool = False) -> None:
+        """Close our connections, saying goodbye; ``leaving``: for a departure this node
+        published (the serving rank reads the round's facts at once)."""
         with self._lock:
             clients = [self.client, self.deputy_client]
             self.client = self.deputy_client = None
         for client in clients:
             if client is not None:
-                client.stop()
+                client.stop(leaving)
 
     def gone(self) -> set[str]:
         with self._lock:

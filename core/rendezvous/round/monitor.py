@@ -87,6 +87,7 @@ class Monitor:
         )
         if presence is not None:
             presence.on_change = self._want_tick
+            presence.on_left = self._someone_left
         self._thread: threading.Thread | None = None
         self._next_tick = 0.0  # monotonic; set by ``start`` and by each new round
         # What the agent reads (cached, under _lock).
@@ -123,15 +124,22 @@ class Monitor:
         )
         self._thread.start()
 
-    def stop(self, wait: bool = True) -> None:
+    def stop(self, wait: bool = True, keep_links: bool = False) -> None:
         """Stop the threads; ``wait=False`` when one may be stuck in a store call (a
-        partition) and the caller must not be held up by it."""
+        partition) and the caller must not be held up by it. ``keep_links``: the presence
+        connections stay until ``say_left`` (a departure, once it is published)."""
         self._stop.set()
         self._wake.set()
         self.lease.stop()
-        self.liveness.links.stop()
+        if not keep_links:
+            self.liveness.links.stop()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
+
+    def say_left(self) -> None:
+        """Close the presence connections with ``left``: this node published its
+        departure, and the serving rank reads it now and tells the others."""
+        self.liveness.links.stop(leaving=True)
 
     def suspend_heartbeats(self) -> None:
         """Stop the keep-alives but keep watching (how tests simulate a hung node)."""
@@ -184,6 +192,15 @@ class Monitor:
         with self._lock:
             self._tick_now = True
         self._wake.set()
+
+    def _someone_left(self) -> None:
+        """A member connected to us said it left (its departure is written): read it now,
+        unless the round already lost someone (it re-forms anyway; a thousand nodes
+        scaled in at once must not make a thousand ticks of a thousand keys)."""
+        with self._lock:
+            known = bool(self.lost)
+        if not known:
+            self._want_tick()
 
     def set_phase(self, watch: tuple[int, str] | None, quiet: bool) -> None:
         """While a round forms: whose heartbeat to watch (a forming round's coordinator),
@@ -310,6 +327,14 @@ class Monitor:
         lost = self.liveness.members(asg, rank, beat_of, asked, answered)
         with self._lock:
             current = asg is self._round  # not replaced by a new round meanwhile
+            # What the members connected to us must hear now, not on their next tick: the
+            # round's first loss, its first node waiting, its close. Once per round each,
+            # as after it the round re-forms anyway.
+            news = current and (
+                bool(lost and not self.lost)
+                or bool(waiting and not self.waiting)
+                or closed > self.closed
+            )
             if current:
                 self.closed, self.waiting, self.lost = closed, waiting, lost
                 self._events_seen = events
@@ -318,6 +343,8 @@ class Monitor:
             tell = current and self.node_id in lost and self._told_lost != asg.round
             if tell:
                 self._told_lost = asg.round
+        if news and rank in SERVING_RANKS and self.liveness.presence is not None:
+            self.liveness.presence.tell_news()
         if tell:  # the others count us out: our workers must stop now
             self._tell_fenced(asg.round)
 

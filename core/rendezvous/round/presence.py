@@ -10,8 +10,13 @@ A connection that closes is not yet a death (a blip, a proxy, a client restartin
 counts only when no new one from the same node arrived within ``BLIP_GRACE``, and, on a
 member's side, when the serving rank's port refuses new connections for that long (its
 process is gone, its host still answers). Saying goodbye (``bye``) before closing, as an agent does
-when it leaves a round on purpose (a new round, a finished job, a published departure),
-is never a death. A vanished machine or a partition stays with the heartbeats.
+when it leaves a round on purpose (a new round, a finished job), is never a death; nor is
+``left``, a departure the member has just published (SIGTERM, scale-in), which also makes
+the serving rank read the round's facts at once. A serving rank that finds the round's
+facts changed (a member lost, a node waiting to join, the job closed) says ``news`` on
+every connection, and each member reads them at once instead of on its next tick: a
+departure reaches every survivor in two store round trips, not up to a heartbeat
+interval. A vanished machine or a partition stays with the heartbeats.
 
 What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
 challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
@@ -53,6 +58,8 @@ NONCE_LEN = 32  # hex digits of rank 0's challenge (128 random bits)
 # second one for a moment while one reconnects); beyond it, members rely on heartbeats.
 MAX_CONNECTIONS = 4096
 BYE = b"bye\n"
+LEFT = b"left\n"  # a member's goodbye for a departure it published: look now
+NEWS = b"news\n"  # a serving rank's word that the round's facts changed: look now
 _HELLO_KEY = "presence/hello"  # what a hello's signature is bound to, besides the job
 
 
@@ -139,6 +146,7 @@ class PresenceServer:
         # a hello that is due (rank 0 of a round of N holds N - 1 named ones).
         self._unnamed: set[_Conn] = set()
         self.on_change: Callable[[], None] = lambda: None  # a connection closed unasked
+        self.on_left: Callable[[], None] = lambda: None  # a member said it left the job
         self._stop = threading.Event()
         # The thread sleeps in select() until a socket has something, or a hello is due:
         # an idle agent's port costs no wakeups (a thousand handlers share a process in
@@ -192,6 +200,15 @@ class PresenceServer:
                 if node in self._members and node not in done
             ]
         return min(times) + grace if times else None
+
+    def tell_news(self) -> None:
+        """Say ``news`` on every proved connection: its member reads the round's facts
+        now. Never blocks: a member whose socket buffer is full is told nothing (it reads
+        them on its next tick anyway)."""
+        for conn in list(self._conns.values()):
+            if conn.node is not None:
+                with contextlib.suppress(OSError):
+                    conn.sock.send(NEWS)
 
     def close(self) -> None:
         """Stop serving; every member is told goodbye first (this is no death)."""
@@ -286,9 +303,12 @@ class PresenceServer:
                 self._open[node] = self._open.get(node, 0) + 1
                 self._newest[node] = max(conn.round, self._newest.get(node, -1))
                 self._closed_at.pop(node, None)
-        if BYE.strip() in conn.buf:
+        left = LEFT.strip() in conn.buf and not conn.said_bye
+        if left or BYE.strip() in conn.buf:
             conn.said_bye = True
-        conn.buf = conn.buf[-8:]  # after the hello only "bye" matters
+        conn.buf = conn.buf[-8:]  # after the hello only "bye" and "left" matter
+        if left:
+            self.on_left()
 
     def _drop(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock, None)

@@ -1,7 +1,7 @@
 """A member's end of presence (``presence.py``): one connection to a serving rank's
 agent, answering its challenge with our hello; it tells the member when that rank's
-process is gone (its connection closed unasked and its port refuses us) and when it left
-on purpose (``bye``)."""
+process is gone (its connection closed unasked and its port refuses us), when it left on
+purpose (``bye``), and when it says the round's facts changed (``news``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from elastic.core.rendezvous.round.presence import (
     BLIP_GRACE,
     BYE,
     HELLO_WAIT,
+    LEFT,
+    NEWS,
     NONCE_LEN,
 )
 
@@ -22,7 +24,8 @@ from elastic.core.rendezvous.round.presence import (
 class PresenceClient:
     """A member's end: one connection to a serving rank's agent; ``on_gone()`` once when
     its process is gone (its connection closed unasked and did not come back),
-    ``on_bye()`` once when it said goodbye (it left on purpose)."""
+    ``on_bye()`` once when it said goodbye (it left on purpose), ``on_news()`` each time it
+    says the round's facts changed."""
 
     def __init__(
         self,
@@ -31,23 +34,27 @@ class PresenceClient:
         hello: Callable[[str], bytes],
         on_gone: Callable[[], None],
         on_bye: Callable[[], None] = lambda: None,
+        on_news: Callable[[], None] = lambda: None,
     ) -> None:
         self._target = (addr, port)
         self._hello = hello  # our hello for rank 0's challenge
-        self._on_gone, self._on_bye = on_gone, on_bye
+        self._on_gone, self._on_bye, self._on_news = on_gone, on_bye, on_news
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._refused = False  # the last connect failed because nothing listened
+        self._goodbye = BYE
         self._thread = threading.Thread(target=self._run, name="rdzv-presence-client", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Leave on purpose: say goodbye, so rank 0 never takes this for a death."""
+    def stop(self, leaving: bool = False) -> None:
+        """Leave on purpose: say goodbye, so rank 0 never takes this for a death;
+        ``leaving``: this node left the job and published it (``LEFT``)."""
         self._stop.set()
+        self._goodbye = LEFT if leaving else BYE
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.sendall(BYE)
+                sock.sendall(self._goodbye)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
@@ -76,14 +83,15 @@ class PresenceClient:
             return None
 
     def _run(self) -> None:
-        sock = self._connect()
-        if sock is None:
-            return  # rank 0 never listened (an older agent): the heartbeats still count
-        while True:
+        # The serving rank named this port when it joined the round, so it listened
+        # then: a refusal from the first connect on is its process gone (it died after
+        # joining, before we connected), judged as a closed connection is.
+        sock = self._connect() or self._come_back(refused=self._refused)
+        while sock is not None:
             self._sock = sock
             if self._stop.is_set():  # stopped while connecting: goodbye, then close
                 with contextlib.suppress(OSError):
-                    sock.sendall(BYE)
+                    sock.sendall(self._goodbye)
                 sock.close()
                 return
             try:
@@ -91,23 +99,29 @@ class PresenceClient:
             except OSError:
                 data = b""
             if data and BYE.strip() not in data:
+                if NEWS.strip() in data:  # a word of 5 bytes: never split in practice
+                    self._on_news()
                 continue  # rank 0 sends nothing else; ignore it
             sock.close()
             if self._stop.is_set() or data:  # we stopped, or it left on purpose
                 return None if self._stop.is_set() else self._on_bye()
-            deadline = time.monotonic() + BLIP_GRACE
-            sock, refused = None, True
-            while sock is None and time.monotonic() < deadline and not self._stop.is_set():
-                time.sleep(0.05)
-                sock = self._connect()
-                refused = refused and self._refused
-            if sock is None:
-                # Only refusals say rank 0's process is gone. A connect that timed out
-                # (a rank 0 too busy to accept, a partition) says nothing: the heartbeats
-                # judge it.
-                if refused and not self._stop.is_set():
-                    self._on_gone()
-                return
+            sock = self._come_back(refused=True)
+
+    def _come_back(self, refused: bool) -> socket.socket | None:
+        """A new connection within ``BLIP_GRACE``; None after ``on_gone()`` when every
+        try (and, with ``refused``, the one before them) was refused."""
+        deadline = time.monotonic() + BLIP_GRACE
+        sock = None
+        while sock is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.05)
+            sock = self._connect()
+            refused = refused and self._refused
+        if sock is None and refused and not self._stop.is_set():
+            # Only refusals say the serving rank's process is gone. A connect that timed
+            # out (a rank too busy to accept, a partition) says nothing: the heartbeats
+            # judge it.
+            self._on_gone()
+        return sock
 
 
 def _read_challenge(sock: socket.socket) -> str | None:
