@@ -130,6 +130,12 @@ def print_completion(ctx: click.Context, _param: click.Parameter, shell: str | N
     default=None,
     help="Bind each worker to the CPUs near its GPU (node, socket, exclusive, core-complex).",
 )
+@flag(
+    "--warm-restarts",
+    is_flag=True,
+    help="Keep a started interpreter per local rank (with torch imported when the workers "
+    "import it), so a restart's workers start at once; costs one idle process per worker.",
+)
 @flag("--log-line-prefix-template", default="", help="Not provided; rejected with an error.")
 @flag(
     "--print-completion",

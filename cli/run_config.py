@@ -97,6 +97,7 @@ OPTIONS: dict[str, To] = {
     "quiet": to("quiet"),
     "event_log_handler": to("event_log_handler"),
     "numa_binding": to("numa_binding"),
+    "warm_restarts": to("warm_restarts"),
 }
 RENDEZVOUS_OPTIONS = (
     "rdzv_backend",

@@ -45,6 +45,7 @@ SAMPLE: dict[str, Any] = {
     "allow_mismatch": frozenset({"python"}),
     "virtual_local_rank": True,
     "numa_binding": "exclusive",
+    "warm_restarts": True,
     "duplicate_stdout_filters": ("loss",),
     "duplicate_stderr_filters": ("warn",),
     "rdzv_timeout": 120,

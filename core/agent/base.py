@@ -34,6 +34,7 @@ from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.workers.logs import LogLayout, LogTailer, WorkerLogs
 from elastic.core.workers.process import SignalGuard, WorkerProcess
+from elastic.core.workers.spare import SparePool
 
 
 class AgentBase:
@@ -63,6 +64,7 @@ class AgentBase:
     _calls: BoundedCalls  # store calls bounded by the handler's fencing
     _joining: Joining
     _fence: FenceGuard
+    _spares: SparePool | None  # --warm-restarts (crew)
 
     # --- the rooms' methods, as the others call them ------------------------------------
     def _rendezvous(self) -> RendezvousInfo | RunResult:  # loop

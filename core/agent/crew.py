@@ -61,6 +61,7 @@ class Crew(AgentBase):
                 extra_env={**signals, **spec.extra_env},
                 process_env=process_env,
                 started=self._workers,
+                spares=self._spares,
             )
         except (OSError, ValueError) as exc:
             return f"cannot start worker {len(self._workers)}: {exc}"
@@ -73,6 +74,8 @@ class Crew(AgentBase):
                 stderr_filters=spec.duplicate_stderr_filters,
             )
         group.state = WorkerState.HEALTHY
+        if self._spares is not None:
+            self._spares.refill_later()
         self._fence.watch(self._workers, info.round)
         self._notify("elastic_workers_started", group=group)
         return None

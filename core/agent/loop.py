@@ -75,6 +75,7 @@ from elastic.core.workers.process import (
     SignalGuard,
     WorkerProcess,
 )
+from elastic.core.workers.spare import SparePool
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
 
@@ -131,6 +132,8 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
         # Fenced: the workers stop at once, from the handler's thread (``fence``).
         self._fence = FenceGuard()
         self._handler.on_fenced(self._fence.fenced)
+        # --warm-restarts: a restart's workers start in interpreters started ahead.
+        self._spares = SparePool() if spec.warm_restarts else None
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:
@@ -157,6 +160,8 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
         finally:
             if self._workers:  # only on an unexpected exception: never leave workers
                 self._stop(signal.SIGKILL, 0)
+            if self._spares is not None:
+                self._spares.close()
             self._guard.restore()
             with contextlib.suppress(Exception):
                 self._handler.shutdown()

@@ -10,6 +10,7 @@ from elastic.core.interfaces.spec import WorkerGroup
 from elastic.core.workers.env import assign_ranks, substitute_args, worker_vars
 from elastic.core.workers.logs import WorkerLogs
 from elastic.core.workers.process import WorkerProcess, start_worker
+from elastic.core.workers.spare import SparePool
 
 
 def place_group(group: WorkerGroup, info: RendezvousInfo, restarts: int) -> None:
@@ -29,6 +30,7 @@ def start_workers(
     extra_env: Mapping[str, str],
     process_env: Callable[[int, str], dict[str, str]],
     started: list[WorkerProcess],
+    spares: SparePool | None = None,
 ) -> None:
     """Start every worker of ``group``, appending each process to ``started`` as it
     starts, so a failure part-way (``OSError``, ``ValueError``) leaves none untracked.
@@ -45,6 +47,6 @@ def start_workers(
         )
         env.update(process_env(worker.local_rank, rank_logs.error_file))
         args = substitute_args(spec.args, worker.local_rank)
-        proc = start_worker(spec, worker.local_rank, args, env, dict(extra_env), rank_logs)
+        proc = start_worker(spec, worker.local_rank, args, env, dict(extra_env), rank_logs, spares)
         worker.pid = proc.pid
         started.append(proc)

@@ -96,6 +96,7 @@ class WorkerSpec:
     preemption_signal: str = "SIGTERM"
     preemption_grace: float = 25.0
     numa_binding: str | None = None  # --numa-binding MODE: each worker's CPUs (workers/numa.py)
+    warm_restarts: bool = False  # --warm-restarts: a spare per local rank (workers/spare.py)
 
     def __post_init__(self) -> None:
         check_settings(

@@ -65,6 +65,7 @@ class LaunchConfig:
     quiet: bool = False  # --quiet: no progress lines (waiting for nodes, round changes)
     event_log_handler: str = "null"  # torch's field: console writes agent events (event_log)
     numa_binding: str | None = None  # --numa-binding MODE (core/workers/numa.py); None: off
+    warm_restarts: bool = False  # --warm-restarts: restarts start in spares (workers/spare.py)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -58,6 +58,7 @@ FLOWS: dict[str, tuple[str, ...]] = {
     "allow_mismatch": ("rendezvous",),
     "virtual_local_rank": ("spec",),
     "numa_binding": ("spec",),
+    "warm_restarts": ("spec",),
     "duplicate_stdout_filters": ("spec",),
     "duplicate_stderr_filters": ("spec",),
     # torch's field; the Python API turns it into the backend's --rdzv-conf key

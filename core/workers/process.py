@@ -10,14 +10,13 @@ Commands are started with ``subprocess.Popen``; Python callables with ``multipro
 (``spawn``, ``fork`` or ``forkserver``) through a bootstrap that does the same set-up
 before calling the function and sends its return value back over a pipe.
 
-May import ``numa``, ``exits``, ``signals``, ``boot`` and ``errorfile`` (in the child); outside
-``workers``, ``interfaces``.
+May import ``numa``, ``child``, ``exits``, ``signals``, ``boot``, ``errorfile`` (in the
+child) and ``spare`` (for its type); outside ``workers``, ``interfaces``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.interfaces.rendezvous import AGENT_ONLY_ENV
 from elastic.core.workers import numa
+from elastic.core.workers.child import killpg, start_child
 from elastic.core.workers.exits import ExitWait
 
 # The agent's signals live in ``signals``; the agent loop still imports them from here.
@@ -40,49 +40,10 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from elastic.core.interfaces.spec import WorkerSpec
+    from elastic.core.workers.spare import SparePool
 
-PR_SET_PDEATHSIG = 1
 # "" means the agent's own stream (the console); a path means that file.
 CONSOLE = ""
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl``, resolved once in the agent: a forked child must not dlopen."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_PRCTL = _load_prctl()
-
-
-def die_with_parent(parent_pid: int | None) -> None:
-    """Ask for SIGKILL when the parent dies, then close the race in which it died first.
-
-    If the agent died between our fork and the prctl, we are already an orphan and the
-    death signal will never come, so we end ourselves. ``parent_pid`` None: the parent is
-    not the agent but a forkserver (which exits when the agent dies, and its death then
-    kills us); we only check that we have not been orphaned already.
-    """
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    ppid = os.getppid()
-    if (parent_pid is not None and ppid != parent_pid) or ppid == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def start_child(parent_pid: int | None, cpus: set[int] | None) -> None:
-    """In a new worker, before it runs anything: die with the agent, and keep to
-    ``cpus`` (``--numa-binding``) when given. Only the child is bound, never the agent."""
-    die_with_parent(parent_pid)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def signal_name(returncode: int | None) -> str | None:
@@ -118,14 +79,6 @@ def peek_exit(pid: int) -> int | None:
     return -info.si_status  # CLD_KILLED / CLD_DUMPED: the signal number
 
 
-def killpg(pgid: int, sig: int) -> None:
-    """Signal a worker's process group; a group that is already gone is fine."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class WorkerLogsLike(Protocol):
     """Where a worker's streams go (``elastic.core.workers.logs.WorkerLogs``)."""
 
@@ -150,7 +103,8 @@ class WorkerProcess(Protocol):
 
 
 class CommandWorker:
-    """A worker running a program (``python -u script.py ...`` or ``--no-python``)."""
+    """A worker running a program (``python -u script.py ...`` or ``--no-python``);
+    ``proc``: a spare already running it (``spare.py``)."""
 
     def __init__(
         self,
@@ -160,8 +114,12 @@ class CommandWorker:
         stdout: str = CONSOLE,
         stderr: str = CONSOLE,
         cpus: set[int] | None = None,
+        proc: subprocess.Popen[bytes] | None = None,
     ) -> None:
         self.local_rank = local_rank
+        if proc is not None:
+            self.proc, self.pid = proc, proc.pid
+            return
         agent_pid = os.getpid()
         out, err = _open_dest(stdout), _open_dest(stderr)
         try:
@@ -336,9 +294,11 @@ def start_worker(
     worker_env: dict[str, str],
     extra_env: dict[str, str],
     logs: WorkerLogsLike,
+    spares: SparePool | None = None,
 ) -> WorkerProcess:
-    """Start one worker: a callable through ``spec.start_method``, else a command; with
-    ``--numa-binding``, bound to its CPUs in the child before it runs anything."""
+    """Start one worker: a callable through ``spec.start_method``, else a command (in a
+    spare when ``spares`` has one fit for it); with ``--numa-binding``, bound to its CPUs
+    in the child before it runs anything."""
     cpus = (
         numa.plan(spec.numa_binding, spec.local_world_size)[local_rank]
         if spec.numa_binding
@@ -357,7 +317,13 @@ def start_worker(
         )
     inherited = {k: v for k, v in os.environ.items() if k not in AGENT_ONLY_ENV}
     env = {**inherited, **extra_env, **worker_env}
-    return CommandWorker(local_rank, [spec.entrypoint, *args], env, logs.stdout, logs.stderr, cpus)
+    cmd = [spec.entrypoint, *args]
+    if spares is None:
+        return CommandWorker(local_rank, cmd, env, logs.stdout, logs.stderr, cpus)
+    proc = spares.take(local_rank, cmd, env, logs.stdout, logs.stderr, cpus)
+    worker = CommandWorker(local_rank, cmd, env, logs.stdout, logs.stderr, cpus, proc)
+    spares.plan(local_rank, cmd, env, cpus, worker.pid)
+    return worker
 
 
 def stop_workers(
