@@ -22,6 +22,8 @@ steps, host 2's agent (never the store's host) gets SIGTERM. Measured, per launc
 - restart: whether the new round spent the restart budget (``TORCHELASTIC_RESTART_COUNT``);
 - the preempted agent's exit code and time, and whether the job then finished.
 
+``ours-warm`` is ours with ``--warm-restarts``: the survivors' new workers start in
+spares made while the job ran, with torch imported (``--impls torchrun,ours,ours-warm``).
 Launchers alternate run by run; medians over ``--repeat`` runs, then ratios ours/torchrun.
 
     python bench/preemption.py [--impls torchrun,ours] [--repeat 3] [--every 20] [--at 30]
@@ -59,7 +61,11 @@ from elastic.harness.cluster import Cluster, cluster_available
 from elastic.harness.preemption_job import last_step, preempt_job, read_events
 from elastic.testing.waits import wait_until
 
-IMPLS = {"torchrun": "torchrun (c10d)", "ours": "ours (c10d)"}
+IMPLS = {
+    "torchrun": "torchrun (c10d)",
+    "ours": "ours (c10d)",
+    "ours-warm": "ours (c10d), --warm-restarts",
+}
 FORM_TIMEOUT = 120.0
 
 
@@ -74,8 +80,8 @@ def run_case(impl: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
             every=args.every,
             pause=args.pause,
             nnodes="2:3",
-            args=["--max-restarts=3"],
-            launcher=impl,
+            args=["--max-restarts=3", *(["--warm-restarts"] if impl == "ours-warm" else [])],
+            launcher="ours" if impl == "ours-warm" else impl,
             env=env,
         )
         if not job.start_together(nodes, FORM_TIMEOUT):

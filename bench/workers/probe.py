@@ -14,6 +14,7 @@ import sys  # noqa: E402
 #   sleep:SECS   sleep, then exit 0 (so the launcher's peak RSS can be sampled)
 #   restart      attempt 0: local rank 1 writes its exit time and exits 1, the others
 #                sleep until they are stopped; later attempts exit 0 (restart latency)
+#   restart:SECS the same, local rank 1 failing SECS after its start (not 0.3 s)
 
 
 def record(out_dir: str, kind: str, stamp: float) -> None:
@@ -34,11 +35,12 @@ def main() -> int:
     if mode.startswith("sleep:"):
         time.sleep(float(mode.split(":", 1)[1]))
         return 0
-    if mode == "restart":
+    if mode == "restart" or mode.startswith("restart:"):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return 0
         if os.environ.get("LOCAL_RANK") == "1":
-            time.sleep(0.3)  # let the launcher settle into monitoring first
+            # 0.3 s: let the launcher settle into monitoring first
+            time.sleep(float(mode.split(":", 1)[1]) if ":" in mode else 0.3)
             record(out_dir, "fail", time.time())
             return 1
         time.sleep(120)  # a healthy sibling: the launcher must stop it
