@@ -7,12 +7,12 @@ With warm restarts the agent keeps one spare per local rank: started ``SPARE_DEL
 after the workers (never competing with their start), as the worker it stands in for
 (same interpreter, flags, environment, CPUs, session and death signal), with ``torch``
 (and what a training script's first lines import) imported when that worker had loaded
-it, then waiting on a pipe (``spare_main.py``). A
-restart's worker on that local rank is the spare, told its environment and streams, when
-it differs from the spare's only in what changes from one attempt to the next
-(``PER_ATTEMPT``: ranks, world, master, restart count, the attempt's files); any other
-difference (a plugin's variable, a new ``PYTHONPATH``) starts a fresh worker, as without
-spares. Spares of callables, ``--no-python`` programs and ``--run-path`` are never made.
+it, then waiting on a pipe (``spare_main.py``). A restart's worker on that local rank is
+the spare, told its environment and streams, when it differs from the spare's only in
+what changes from one attempt to the next (``PER_ATTEMPT``: ranks, world, master, restart
+count, the attempt's files); any other difference (a plugin's variable, a new
+``PYTHONPATH``) starts a fresh worker, as without spares. Spares of callables,
+``--no-python`` programs and ``--run-path`` are never made.
 
 A spare costs an idle interpreter per local rank (about 10 MB; 300 MB with torch and
 ``torch._dynamo`` imported) for the time the workers run; it dies with the agent
