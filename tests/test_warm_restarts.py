@@ -57,12 +57,17 @@ def spares_marked(mark: str) -> list[int]:
     return found
 
 
-def test_a_restart_runs_in_warm_spares_as_it_would_afresh(tmp_path: Path) -> None:
+def job_files(tmp_path: Path) -> tuple[Path, Path, str]:
+    """The worker script, the folder its records go to, and a mark for its spares."""
     script = tmp_path / "train.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    mark = uuid.uuid4().hex
+    return script, out, uuid.uuid4().hex
+
+
+def test_a_restart_runs_in_warm_spares_as_it_would_afresh(tmp_path: Path) -> None:
+    script, out, mark = job_files(tmp_path)
     proc = run_elastic(
         "run",
         "--standalone",
@@ -99,11 +104,7 @@ def test_a_restart_runs_in_warm_spares_as_it_would_afresh(tmp_path: Path) -> Non
 
 
 def test_no_spare_outlives_a_sigkilled_agent(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    mark = uuid.uuid4().hex
+    script, out, mark = job_files(tmp_path)
     agent = subprocess.Popen(
         elastic_cmd(
             "run", "--standalone", "--nproc-per-node=1", "--warm-restarts", str(script),
