@@ -19,7 +19,9 @@ ready to join the round's group, writes ``ready-<host>`` and never connects: a m
 between joining a round and connecting to its group. A file ``slow-start-<host>``
 holding a number makes a worker starting on that host write ``slow-started-<host>-<pid>``
 and sleep that many seconds before it imports torch (a start-up that outlasts a change of
-the job). ``REGROUP_HOLD_LAST=1``
+the job). A file ``hurry`` drops the pause between steps: a test that saw what it waited
+for runs the rest of the job's steps (there so the job outlasts a slow change) at once
+(``hurry_once``). ``REGROUP_HOLD_LAST=1``
 holds the last step until the agent asks for a regroup (the job finishes at the boundary
 meant to re-form it), ``REGROUP_EXIT_DELAY`` (s) delays the exit after "done".
 """
@@ -122,7 +124,8 @@ def train_step(state):
     if os.path.exists(late):  # a test keeps the peers waiting in the step agreement
         os.unlink(late)
         time.sleep(float(os.environ.get("REGROUP_STALL", "30")))
-    time.sleep(pause)
+    if not os.path.exists(os.path.join(out, "hurry")):  # a test saw the change it waited for
+        time.sleep(pause)
     return state.step >= steps
 
 
@@ -253,6 +256,37 @@ def all_done(seen: list[dict[str, Any]], workers: int, value: int, why: object =
     done = [e for e in seen if e["event"] == "done"]
     assert len(done) == workers and {e["value"] for e in done} == {value}, (done, why)
     assert {e["restart"] for e in seen} == {0}, f"a restart was spent {why}"
+
+
+def hurry_once(
+    job: FaultJob, hosts: list[Host], world: int, since: float, timeout: float = 90.0
+) -> None:
+    """Once the worker of every host of ``hosts`` synced after ``since`` (it regrouped) and
+    then completed a step in a ``world``-rank world (the change a test waited for is over),
+    the workers drop their pause (``hurry``): the rest of the steps, there only so the job
+    outlasts a slow change, prove nothing more at ``PAUSE`` each. Not seen before the job
+    ends or within ``timeout``: the job keeps its pace and the test's assertions say why."""
+    names = {h.name for h in hosts}
+    over: list[bool] = []
+
+    def seen() -> bool:
+        events = [e for e in read_events(job.workdir) if e["t"] > since]
+        synced: dict[str, float] = {}
+        for e in events:
+            if e["event"] == "sync":
+                synced.setdefault(e["host"], e["t"])
+        stepped = {
+            e["host"]
+            for e in events
+            if e["event"] == "step" and e["world"] == world and e["t"] > synced.get(e["host"], 1e20)
+        }
+        if names <= stepped:
+            over.append(True)
+        return bool(over) or any(e["event"] == "done" for e in events)
+
+    wait_until(seen, timeout, 0.2)
+    if over:
+        (job.workdir / "hurry").touch()
 
 
 def workers_kept(job: FaultJob, kept: list[Host], since: float) -> list[dict[str, Any]]:

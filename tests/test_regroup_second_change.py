@@ -25,6 +25,7 @@ from elastic.harness.regroup_job import (
     JOIN_STEPS,
     all_done,
     finish,
+    hurry_once,
     reference_run,
     start_job,
     workers_kept,
@@ -52,6 +53,7 @@ def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
         assert formed, job.texts()
         killed = time.time()
         victim.kill()  # while the kept workers wait for the joiner's to get ready
+        hurry_once(job, [*kept, joiner], 3, killed)
         finish(job, [*kept, joiner])
         value = expected()
     seen = workers_kept(job, kept, killed)
@@ -85,6 +87,7 @@ def test_a_second_joiner_while_the_first_gets_ready_keeps_the_workers(
         assert formed, job.texts()
         second = time.time()
         job.start(nodes[3])
+        hurry_once(job, nodes, 4, second)
         finish(job, nodes)
         value = expected()
     seen = workers_kept(job, kept, second)
@@ -129,6 +132,7 @@ def test_a_member_cut_off_while_a_joiner_gets_ready_frees_the_kept_workers_at_on
         f"the kept workers waited for the joiner's worker (up {gone_after:.1f}s after the "
         f"cut) before they gave up the cut-off peer\n{job.texts()}"
     )
+    hurry_once(job, [*kept, joiner], 3, cut)
     finish(job, [*kept, joiner])
     seen = workers_kept(job, kept, cut)
     assert {e["world"] for e in seen if e["event"] == "done"} == {3}, job.texts()
