@@ -25,6 +25,7 @@ from elastic.harness.regroup_job import (
     FORM_TIMEOUT,
     PAUSE,
     finish,
+    hurry_once,
     reference_run,
     regroup_job,
 )
@@ -60,7 +61,9 @@ def test_a_joiner_cut_off_while_its_worker_gets_ready_rejoins(
         started = wait_until(lambda: job.latest(joiner) is not None, 60)
         assert started, job.texts()
         time.sleep(CUT_FOR)
+        healed = time.time()
         cluster.heal(joiner)
+        hurry_once(job, nodes, 3, healed)
         finish(job, nodes)
         value = expected()
     text = job.nodes[joiner.name].text()

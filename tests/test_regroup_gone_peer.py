@@ -33,6 +33,7 @@ from elastic.harness.regroup_job import (
     PAUSE,
     all_done,
     finish,
+    hurry_once,
     reference_run,
     start_job,
     workers_kept,
@@ -69,6 +70,7 @@ def test_a_peer_cut_off_while_the_others_wait_for_it_leaves_them_kept(
         time.sleep(3 * PAUSE)  # the others reached the wait
         cut = time.time()
         cluster.cut(victim)
+        hurry_once(job, survivors, 2, cut)
         finish(job, survivors)
         value = expected()
     seen = workers_kept(job, survivors, cut)
@@ -95,6 +97,7 @@ def test_a_joiner_gone_before_it_connects_leaves_the_others_kept(
         time.sleep(2.0)  # the kept workers took the 4-node round: in its creation now
         killed = time.time()
         joiner.kill()
+        hurry_once(job, kept, 3, killed)
         finish(job, kept)
         value = expected()
     seen = workers_kept(job, kept, killed)

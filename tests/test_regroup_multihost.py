@@ -43,6 +43,7 @@ from elastic.harness.regroup_job import (
     PAUSE,
     STEPS,
     finish,
+    hurry_once,
     last_step,
     reference_run,
     regroup_job,
@@ -104,6 +105,7 @@ def test_a_preempted_node_leaves_and_the_survivors_keep_their_processes(
         os.kill(job.nodes[victim.name].proc.pid, signal.SIGTERM)
         code = job.nodes[victim.name].wait(timeout=40)
         assert code == 128 + signal.SIGTERM, f"{victim.name} exited {code}\n{job.texts()}"
+        hurry_once(job, survivors, 2, signalled)
         finish(job, survivors)
         value = expected()
     figures = kept_in_place(job, signalled, 3, 2, survivors, value)
@@ -121,6 +123,7 @@ def test_a_crashed_node_breaks_a_step_the_survivors_roll_back_and_regroup(
         victim, survivors = nodes[2], nodes[:2]
         killed = time.time()
         victim.kill()  # the agent and its workers at once
+        hurry_once(job, survivors, 2, killed)
         finish(job, survivors)
         value = expected()
     figures = kept_in_place(job, killed, 3, 2, survivors, value)
@@ -155,6 +158,7 @@ def test_a_worker_that_misses_the_boundary_is_restarted_and_the_others_stay(
         time.sleep(3 * PAUSE)  # the stuck worker is in its long step
         killed = time.time()
         nodes[2].kill()
+        hurry_once(job, nodes[:2], 2, killed)
         finish(job, nodes[:2])
         value = expected()
     stuck_text = job.nodes[stuck.name].text()
@@ -177,6 +181,7 @@ def test_a_joining_node_gets_the_state_and_the_others_keep_their_processes(
         job = start_job(cluster, tmp_path, "2:3", nodes[:2], JOIN_STEPS)
         joined = time.time()
         job.start(nodes[2])
+        hurry_once(job, nodes, 3, joined)
         finish(job, nodes)
         value = expected()
     figures = kept_in_place(job, joined, 2, 3, nodes[:2], value, JOIN_STEPS)
