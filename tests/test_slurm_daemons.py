@@ -214,17 +214,35 @@ def test_preemption_with_a_grace_time_checkpoints_first(
     assert wait_until(requeued, 30, 0.3), slurm.job(low)
 
 
+# --signal=TERM@WARN: slurmctld sends the signal from its periodic check (every 30 s) once
+# the time left is WARN + 30 s or less ("may send it up to 60 seconds earlier than
+# specified", sbatch(1)). Submitted with a limit far off, the job's limit is brought
+# within reach once its workers train, as an operator's scontrol does: the signal comes at
+# the next check, at most 30 s later, and the limit, LIMIT_AFTER s or more away, never
+# before the save. (Waiting for a 2-minute limit took 50 to 80 s; with --time=1 the
+# signal came before the workers' first step 1 run in 3.)
+WARN = 170  # s before the limit: its window covers LIMIT_AFTER plus a minute's rounding
+LIMIT_AFTER = 100  # s from the update to the limit at least
+
+
+def limit_within_reach(slurm: SlurmCluster, job: str) -> int:
+    """Sets the running job's time limit to the first whole minute at least LIMIT_AFTER s
+    from now; the seconds left then."""
+    h, m, sec = (int(x) for x in slurm.job(job)["RunTime"].split("-")[-1].split(":"))
+    ran = 3600 * h + 60 * m + sec
+    minutes = -(-(ran + LIMIT_AFTER) // 60)
+    done = slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"])
+    assert done.returncode == 0, done.stderr
+    left = 60 * minutes - ran
+    assert LIMIT_AFTER <= left <= WARN + 30, left
+    return left
+
+
 @pytest.mark.timeout(240)
 def test_signal_before_the_time_limit_checkpoints_first(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    # slurmctld sends the signal from its periodic check (every 30 s), and "may send it up
-    # to 60 seconds earlier than specified" (sbatch(1)): with 40 s asked of a 120 s limit it
-    # comes 20 to 110 s in, after the workers' first step even on a loaded machine and in
-    # time to save before the limit. (With --time=1 --signal=TERM@45 it came 5 s in, before
-    # any step, 1 run in 3 of the file; at TERM@30 once at 59 s, and the limit killed the
-    # step before it saved.)
-    line = preempt_line(tmp_path, "--time=2", "--signal=TERM@40", steps=STEPS * 4)
+    line = preempt_line(tmp_path, "--time=30", f"--signal=TERM@{WARN}", steps=STEPS * 4)
     proc = slurm.popen(
         line.split(),
         env=slurm.env(worker_env(tmp_path)),
@@ -233,6 +251,8 @@ def test_signal_before_the_time_limit_checkpoints_first(
         text=True,
     )
     wait_training(tmp_path, 1, slurm, proc)
+    (job,) = slurm.queue()
+    limit_within_reach(slurm, job)
     log = communicate(proc, 150)
     assert proc.returncode == 143, log
     assert_saved_before_anything_died(tmp_path, log)
