@@ -17,7 +17,9 @@ from elastic.testing.ports import free_port
 
 # Rank 0 dies after one all_reduce; the others are in the next one. Each survivor that
 # sees the group break leaves it from inside its except block, as elastic.train does on
-# its way to the next round, and stays there longer than the collective timeout.
+# its way to the next round, and stays there until every survivor saw the break (a file
+# each in OUT), longer than the collective timeout at most: a survivor still holding the
+# group keeps a peer waiting until that peer's timeout, and stays that long too.
 RANK = """
 import os, sys, time, datetime
 import torch, torch.distributed as dist
@@ -35,7 +37,11 @@ try:
 except RuntimeError as broke:
     print("BROKE", "timed out" if "imed out" in str(broke) else "closed", flush=True)
     leave_group()
-    time.sleep(TIMEOUT + 2)
+    out = os.environ["OUT"]
+    open(os.path.join(out, f"broke-{rank}"), "w").close()
+    end = time.monotonic() + TIMEOUT + 2
+    while time.monotonic() < end and len(os.listdir(out)) < 3:
+        time.sleep(0.05)
 """
 TIMEOUT = 8
 
@@ -45,11 +51,18 @@ def test_a_rank_that_left_a_broken_group_closes_its_connections(tmp_path: Path) 
     script = tmp_path / "rank.py"
     script.write_text(RANK.replace("TIMEOUT", str(TIMEOUT)))
     port = str(free_port())
+    out = tmp_path / "broke"
+    out.mkdir()
     ranks = [
         subprocess.Popen(
             [sys.executable, str(script)],
             env=dict(
-                os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="4"
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(r),
+                WORLD_SIZE="4",
+                OUT=str(out),
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
