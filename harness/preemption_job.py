@@ -11,6 +11,7 @@ from typing import Any
 
 from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
+from elastic.testing.waits import wait_until
 
 # It writes the same start record as ``WORKER``, timed before any import (so
 # ``FaultJob.running_together`` and ``regroup_time`` work), then one JSON line per event to
@@ -19,7 +20,9 @@ from elastic.harness.multihost import START_RECORD, FaultJob, c10d_script_job
 # follows rank 0's atomic save; ``why`` "notice" or "every"), "done"; each with the time,
 # host, pid, rank, world and restart count. Rank 0 writes ``CKPT_DIR/final.json`` (step,
 # world, weights) at the end. The global batch depends on the step only and splits evenly
-# over 1, 2 or 3 nodes, so any regrouping gives the reference's weights.
+# over 1, 2 or 3 nodes, so any regrouping gives the reference's weights. A file
+# ``FAULTS_OUT/hurry`` drops the pause between steps (``hurry_once``): a test that saw what
+# it waited for runs the rest of the steps, there so the job outlasts it, at once.
 PREEMPT_WORKER = (
     """\
 import faulthandler, json, os, socket, sys, time
@@ -95,7 +98,8 @@ while step < steps:
     opt.step()
     step += 1
     note("step", step)
-    time.sleep(pause)
+    if not os.path.exists(os.path.join(out, "hurry")):  # a test saw what it waited for
+        time.sleep(pause)
     flag = torch.tensor([int(elastic.checkpoint_requested())])  # False under torchrun
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank saves at this one step
     if flag.item() or (every > 0 and step % every == 0):
@@ -129,6 +133,27 @@ def read_events(workdir: Path) -> list[dict[str, Any]]:
         except ValueError:  # a line being written right now
             continue
     return sorted(records, key=lambda r: r["t"])
+
+
+def hurry_once(
+    workdir: Path, hosts: set[str], world: int, since: float, timeout: float = 90.0
+) -> None:
+    """Once a worker on every host of ``hosts`` (names) completed a step in a
+    ``world``-rank job after ``since``, the workers drop their pause (``hurry`` in
+    ``workdir``, their ``FAULTS_OUT``). Not seen before the job ends or within ``timeout``:
+    the job keeps its pace and the test's assertions say why."""
+    over: list[bool] = []
+
+    def seen() -> bool:
+        events = [e for e in read_events(workdir) if e["t"] > since]
+        stepped = {e["host"] for e in events if e["event"] == "step" and e["world"] == world}
+        if hosts <= stepped:
+            over.append(True)
+        return bool(over) or any(e["event"] == "done" for e in events)
+
+    wait_until(seen, timeout, 0.2)
+    if over:
+        (workdir / "hurry").touch()
 
 
 def last_step(seen: list[dict[str, Any]], world: int) -> int:

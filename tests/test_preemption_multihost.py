@@ -30,7 +30,13 @@ from pathlib import Path
 import pytest
 from elastic.harness.cluster import Cluster, Host
 from elastic.harness.multihost import FaultJob, wait_until
-from elastic.harness.preemption_job import PREEMPT_WORKER, last_step, preempt_job, read_events
+from elastic.harness.preemption_job import (
+    PREEMPT_WORKER,
+    hurry_once,
+    last_step,
+    preempt_job,
+    read_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +147,7 @@ def test_a_preempted_node_checkpoints_the_job_and_the_survivors_resume(
         job, nodes = start_job(cluster_factory(3), tmp_path, "2:3")
         victim, survivors = nodes[2], nodes[:2]  # nodes[0] hosts the c10d store
         signalled = preempt(job, [victim])
+        hurry_once(job.workdir, {h.name for h in survivors}, 2, signalled)
         finish(job, survivors)
         out, err = reference.communicate(timeout=60)
     finally:
@@ -170,6 +177,7 @@ def test_two_notices_at_once_make_one_save(cluster_factory: Make, tmp_path: Path
     for host in victims:
         notices = job.nodes[host.name].text().count("preemption notice")
         assert notices == 1, job.nodes[host.name].text()
+    hurry_once(job.workdir, {survivor.name}, 1, signalled)
     finish(job, [survivor])
     step, regroup, resumed = one_save_then_resume(job, signalled, 3, [survivor])
     print(

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from elastic.harness.multihost import ETCD_CLIENT_PORT, start_etcd
-from elastic.harness.preemption_job import PREEMPT_WORKER, read_events
+from elastic.harness.preemption_job import PREEMPT_WORKER, hurry_once, read_events
 from elastic.harness.records import RANK_RECORD_WORKER
 from elastic.harness.slurm import (  # noqa: F401  (the fixtures)
     SlurmCluster,
@@ -290,7 +290,10 @@ def test_a_requeued_job_resumes_from_the_checkpoint(slurm: SlurmCluster, tmp_pat
     wait_training(tmp_path, NOTICE_AFTER, slurm)
     requeued = slurm.run(["scontrol", "requeue", job])
     assert requeued.returncode == 0, requeued.stderr
-    start_requeued_now(slurm, job)
+    start_requeued_now(slurm, job)  # the first run's step is over: the job is pending
+    # both hosts' workers of the requeued run stepped: the rest of its steps without pause
+    hosts = {h.name for h in slurm.cluster.hosts[:2]}
+    hurry_once(tmp_path, hosts, 4, time.time(), timeout=120)
     assert wait_until(lambda: slurm.job(job).get("JobState") == "COMPLETED", 180, 0.5), (
         slurm.job(job),
         log_file.read_text(),
