@@ -93,7 +93,7 @@ def node(procs: Processes, port: int, tmp_path: Path):  # noqa: ANN201
 @pytest.mark.timeout(60)
 def test_the_first_node_says_whom_it_waits_for_until_the_second_arrives(node) -> None:  # noqa: ANN001
     first = node("2")
-    time.sleep(5)
+    assert wait_until(lambda: first.first(WAITING) >= 0, timeout=20), first.text()
     second = node("2")
     assert wait_until(lambda: second.first(FORMED) >= 0, timeout=20), second.text()
     node.stop.touch()
@@ -117,7 +117,13 @@ def test_a_waiting_node_reads_what_the_coordinator_knows(node) -> None:  # noqa:
     """Two nodes wait for a third: the coordinator counts the join records, the other
     node can only know "2 joined" from the coordinator's progress record."""
     a, b = node("3"), node("3")
-    time.sleep(5)
+
+    def told_two_joined(n: Node) -> bool:
+        return ("2", "3", "3") in {m.groups() for m in n.matching(WAITING)}
+
+    assert wait_until(lambda: told_two_joined(a) and told_two_joined(b), timeout=30), (
+        a.text() + b.text()
+    )
     c = node("3")
     for n in (a, b, c):
         assert wait_until(lambda n=n: n.first(FORMED) >= 0, timeout=20), n.text()
