@@ -6,6 +6,7 @@ token to the client first, so a listener squatting an endpoint gets nothing from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -164,6 +165,10 @@ class Squatter:
                     continue
 
     def close(self) -> None:
+        # Closing alone does not wake an accept() blocked in another thread (Linux): the
+        # join waited out its 5 s every time. Shutting the listener down does.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self._thread.join(5)
 
