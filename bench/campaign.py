@@ -19,6 +19,7 @@ For etcd-v3 a ``store`` event SIGKILLs one of the three etcd members (once).
 
     python bench/campaign.py [--impls c10d,etcd-v3] [--seeds 1-10] [--duration 150]
         [--gap 5,10] [--variant in-place] [--baseline 20] [--json out.json] [--keep DIR]
+        [--warm-restarts]
 
 Needs root. Prints one line per run (and where its time went: ``campaign_check.time_budget``)
 and a summary table, then JSON; exit 1 on a violation.
@@ -151,8 +152,11 @@ print("no" if mark else "live")
 class Campaign:
     """One job under one schedule on one cluster; ``run`` returns its report."""
 
-    def __init__(self, impl: str, variant: str, workdir: Path, pause: float) -> None:
+    def __init__(
+        self, impl: str, variant: str, workdir: Path, pause: float, warm: bool = False
+    ) -> None:
         self.impl, self.variant, self.workdir, self.pause = impl, variant, workdir, pause
+        self.warm = warm and impl != "torchrun"  # ours' --warm-restarts
         self.backend = "etcd-v3" if impl == "etcd-v3" else "c10d"
         self.rng = random.Random(0)
         self.etcd: list[subprocess.Popen[bytes]] = []
@@ -177,7 +181,7 @@ class Campaign:
             launcher="torchrun" if self.impl == "torchrun" else "ours",
             nnodes=f"2:{JOB_HOSTS}",
             conf={"last_call_timeout": 1},
-            args=["--max-restarts=100"],
+            args=["--max-restarts=100", *(["--warm-restarts"] if self.warm else [])],
             script=script,
             script_args=[str(self.pause), self.variant, str(workdir / "ckpt")],
             run_id=name,
@@ -353,7 +357,7 @@ def run_seed(args: argparse.Namespace, impl: str, seed: int, workdir: Path) -> d
     variant = "restart" if impl == "torchrun" else args.variant
     kinds = ["sigterm", "sigkill", "cut", "replace", "store"]
     schedule = plan(seed, JOB_HOSTS, args.duration, args.gap, kinds=kinds)
-    campaign = Campaign(impl, variant, workdir, args.pause)
+    campaign = Campaign(impl, variant, workdir, args.pause, args.warm_restarts)
     extra = ETCD_HOSTS if impl == "etcd-v3" else 0
     with Cluster(JOB_HOSTS + extra) as cluster:
         if extra:
@@ -380,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap", default="5,10", help="s between events: MIN,MAX")
     parser.add_argument("--variant", default="in-place", choices=["in-place", "restart"])
     parser.add_argument("--pause", type=float, default=0.1, help="s each step sleeps")
+    parser.add_argument(
+        "--warm-restarts", action="store_true", help="ours' agents run with --warm-restarts"
+    )
     parser.add_argument("--baseline", type=float, default=20.0, help="s of undisturbed run")
     parser.add_argument("--baseline-rate", type=float, help="steps/s: skip the baseline run")
     parser.add_argument("--settle", type=float, default=10.0, help="s after the last fault")

@@ -150,7 +150,7 @@ def test_a_short_seeded_campaign_has_no_violation(impl: str, seed: int, tmp_path
     campaign = load("campaign")
     args = argparse.Namespace(
         variant="in-place", duration=25.0, gap=(5.0, 10.0), pause=0.1, baseline=0.0,
-        baseline_rate=10.0, settle=8.0,
+        baseline_rate=10.0, settle=8.0, warm_restarts=False,
     )  # fmt: skip
     report = campaign.run_seed(args, impl, seed, tmp_path)
     assert report["faults_injected"] >= 2, report["faults"]
