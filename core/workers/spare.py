@@ -5,9 +5,9 @@ runs: ``import torch`` alone is 1.5 s here, 5-9 s on a loaded machine, and every
 a restart (a failure, a node lost on the restart path) pays it again while the job waits.
 With warm restarts the agent keeps one spare per local rank: started ``SPARE_DELAY`` s
 after the workers (never competing with their start), as the worker it stands in for
-(same interpreter, flags, environment, CPUs, session and death signal), with ``torch``
-(and what a training script's first lines import) imported when that worker had loaded
-it, then waiting on a pipe (``spare_main.py``). A restart's worker on that local rank is
+(same interpreter, flags, environment, CPUs, session and death signal), waiting on a pipe
+(``spare_main.py``), and told to import ``torch`` (and what a training script's first
+lines import) once that worker shows it loaded it. A restart's worker on that local rank is
 the spare, told its environment and streams, when it differs from the spare's only in
 what changes from one attempt to the next (``PER_ATTEMPT``: ranks, world, master, restart
 count, the attempt's files); any other difference (a plugin's variable, a new
@@ -39,8 +39,8 @@ from elastic.core.workers.control_file import ENV_CONTROL
 log = logging.getLogger(__name__)
 
 SPARE_DELAY = 2.0  # s after a start before its spares are made
-# s a worker is given to show what it imports (a loaded machine takes 5-9 s over torch)
-# before its spare is made without it.
+# s a spare is told what to import as soon as its worker shows it (a loaded machine takes
+# 5-9 s over torch); a worker that shows nothing in that time leaves its spare bare.
 IMPORTS_WAIT = 20.0
 SPARE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spare_main.py")
 BOOT_SITECUSTOMIZE = os.path.abspath(sitecustomize.__file__)
@@ -110,7 +110,8 @@ class _Plan:
 class _Spare:
     plan: _Plan
     proc: subprocess.Popen[bytes]
-    pipe: int  # the write end of its pipe
+    pipe: int  # the write end of its pipe: "warm MODULES" lines, then one "go {...}" line
+    warmed: bool = False  # told what to import
 
 
 class SparePool:
@@ -156,7 +157,7 @@ class SparePool:
                 "boot_sitecustomize": BOOT_SITECUSTOMIZE,
             }
             try:
-                _write_all(spare.pipe, json.dumps(go).encode())
+                _write_all(spare.pipe, b"go " + json.dumps(go).encode() + b"\n")
                 os.close(spare.pipe)
                 return spare.proc
             except OSError as exc:
@@ -199,7 +200,7 @@ class SparePool:
                 self._due = None
                 todo = {r: p for r, p in self._plans.items() if r not in self._spares}
             for local_rank, plan in todo.items():
-                spare = _make(plan, self._modules(plan))
+                spare = _make(plan)
                 if spare is None:
                     continue
                 with self._lock:
@@ -208,20 +209,29 @@ class SparePool:
                         self._spares[local_rank] = spare
                 if not keep:
                     _kill(spare)
+            self._warm_when_seen()
 
-    def _modules(self, plan: _Plan) -> list[str]:
-        """What ``plan``'s worker imported, given ``IMPORTS_WAIT`` s to (a worker that
-        exits, or a pool closing, stops the wait)."""
+    def _warm_when_seen(self) -> None:
+        """Tell each spare to import what its worker has loaded, as soon as the worker
+        shows it, for up to ``IMPORTS_WAIT`` s (a new start or the pool closing ends the
+        watch; a spare taken meanwhile is no longer told)."""
         deadline = time.monotonic() + IMPORTS_WAIT
-        while True:
-            modules = loaded_modules(plan.pid)
-            if modules or time.monotonic() >= deadline or not os.path.exists(f"/proc/{plan.pid}"):
-                return modules
+        while time.monotonic() < deadline:
             with self._lock:
-                if not self._closed:
-                    self._wake.wait(0.5)
-                if self._closed:
-                    return modules
+                if self._closed or self._due is not None:
+                    return
+                cold = [s for s in self._spares.values() if not s.warmed]
+                for spare in cold:
+                    modules = loaded_modules(spare.plan.pid)
+                    if modules:
+                        spare.warmed = True
+                        try:
+                            _write_all(spare.pipe, f"warm {','.join(modules)}\n".encode())
+                        except OSError:
+                            pass  # a spare gone is found unfit when taken
+                if not cold or all(s.warmed for s in cold):
+                    return
+                self._wake.wait(0.5)
 
     def close(self) -> None:
         """Kill every spare (the agent is ending)."""
@@ -252,17 +262,15 @@ def _unfit(spare: _Spare, cmd: list[str], env: dict[str, str], cpus: set[int] | 
     return None
 
 
-def _make(plan: _Plan, imports: list[str]) -> _Spare | None:
-    """Start a spare as ``plan``'s worker, importing ``imports``; None when it cannot be
-    started."""
-    modules = ",".join(imports)
+def _make(plan: _Plan) -> _Spare | None:
+    """Start a spare as ``plan``'s worker; None when it cannot be started."""
     # Without the stack file: the dump is registered for the worker the spare becomes.
     env = {k: v for k, v in plan.env.items() if k != sitecustomize.ENV_FILE}
     read, write = os.pipe()
     agent_pid, cpus = os.getpid(), plan.cpus
     try:
         proc = subprocess.Popen(
-            [plan.cmd[0], "-u", SPARE_MAIN, str(read), modules],
+            [plan.cmd[0], "-u", SPARE_MAIN, str(read)],
             env=env,
             pass_fds=(read,),
             start_new_session=True,
@@ -274,7 +282,7 @@ def _make(plan: _Plan, imports: list[str]) -> _Spare | None:
         return None
     finally:
         os.close(read)
-    log.debug("spare made for pid %d's local rank (imports: %s)", plan.pid, modules or "-")
+    log.debug("spare made for the local rank of pid %d", plan.pid)
     return _Spare(plan, proc, write)
 
 

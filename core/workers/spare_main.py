@@ -1,13 +1,16 @@
 """A warm spare's program (``spare.py``): an interpreter started while the workers run,
-with the modules the worker it stands in for had loaded (``torch``), waiting on a pipe.
-When a restart needs a worker on its local rank, the agent writes the new worker's
-environment, arguments and streams and closes the pipe; this program takes them and runs
-the script as ``python -u script.py`` would (``runpy``, ``__main__``, ``sys.argv``,
-``sys.path[0]``), so an exception or ``sys.exit`` ends the process as it would end a
-worker started afresh. A pipe closed with nothing on it: the spare is not needed, exit 0.
+waiting on a pipe for lines from the agent. ``warm MODULES``: import them (what the worker
+it stands in for had loaded: ``torch``). ``go {...}``: when a restart needs a worker on
+its local rank, the new worker's environment, arguments and streams; this program takes
+them and runs the script as ``python -u script.py`` would (``runpy``, ``__main__``,
+``sys.argv``, ``sys.path[0]``), so an exception or ``sys.exit`` ends the process as it
+would end a worker started afresh. A pipe closed without ``go``: the spare is not needed,
+exit 0.
 
-Run as ``python -u spare_main.py FD MODULES``; standard library only.
+Run as ``python -u spare_main.py FD``; standard library only.
 """
+
+from __future__ import annotations
 
 import sys
 
@@ -27,15 +30,15 @@ def _warm(modules: str) -> None:
             pass
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while True:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(fd)
-    return b"".join(chunks)
+def _wait_for_go(fd: int) -> dict | None:
+    """Warm as told until the ``go`` line; None when the pipe closed without one."""
+    with os.fdopen(fd, "rb") as pipe:
+        for line in pipe:
+            if line.startswith(b"warm "):
+                _warm(line[5:].decode().strip())
+            elif line.startswith(b"go "):
+                return json.loads(line[3:])
+    return None
 
 
 def _redirect(dest: str, fd: int) -> None:
@@ -63,12 +66,9 @@ def _install_stack_dump(boot_sitecustomize: str) -> None:
 
 
 def main() -> None:
-    fd, modules = int(sys.argv[1]), sys.argv[2]
-    _warm(modules)
-    raw = _read_all(fd)
-    if not raw:
+    go = _wait_for_go(int(sys.argv[1]))
+    if go is None:
         sys.exit(0)
-    go = json.loads(raw)
     os.environ.clear()
     os.environ.update(go["env"])
     _redirect(go["stdout"], 1)
