@@ -146,3 +146,30 @@ def test_a_spare_stands_in_only_for_what_changes_between_attempts() -> None:
         spare.proc.kill()
         spare.proc.wait()
     assert SparePool().take(0, cmd, env, "", "", None) is None  # no spare made yet
+
+
+PLAIN_WORKER = """\
+import os, sys, time
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0:
+    time.sleep(float(sys.argv[2]))
+    sys.exit(1)
+with open(os.path.join(sys.argv[1], "attempt-1"), "w") as f:
+    f.write(open("/proc/self/cmdline").read())
+"""
+
+
+def test_a_worker_without_torch_failing_early_restarts_in_a_spare_with_stall_dumps(
+    tmp_path: Path,
+) -> None:
+    """No torch to wait for, and --stall-timeout's per-attempt stack file: the spare is
+    made 2 s in and used."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_WORKER)
+    proc = run_elastic(
+        "run", "--standalone", "--nproc-per-node=1", "--max-restarts=1", "--warm-restarts",
+        "--stall-timeout=30", str(script), str(tmp_path), str(SPARE_DELAY + 1.5),
+        timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spare_main.py" in (tmp_path / "attempt-1").read_text()
