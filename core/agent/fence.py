@@ -27,7 +27,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from elastic.core.workers.process import WorkerProcess, killpg
+from elastic.core.workers.child import killpg
+from elastic.core.workers.process import WorkerProcess
 
 # Grace for workers stopped because the world they train in is gone (fenced, store lost,
 # stuck in a round the job has left), whatever --shutdown-timeout says: a worker blocked

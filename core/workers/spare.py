@@ -229,7 +229,7 @@ class SparePool:
                             _write_all(spare.pipe, f"warm {','.join(modules)}\n".encode())
                         except OSError:
                             pass  # a spare gone is found unfit when taken
-                if not cold or all(s.warmed for s in cold):
+                if all(s.warmed for s in cold):
                     return
                 self._wake.wait(0.5)
 
