@@ -429,3 +429,56 @@ def test_ranks_by_join_slot_survive_the_outcome_s_round_trip() -> None:
             continue
         with pytest.raises(RendezvousStateError):
             R.Assignment.from_json(raw, "k", 0)
+
+
+def test_a_stale_value_s_verdict_read_is_due_timeout_after_its_first_receipt() -> None:
+    """``LivenessTracker.due``: reads on a 1 s grid, each answered 10 ms after it was sent;
+    the value first received at 0.01 may be judged by a read sent at 5.01, which the grid
+    only sends at 6.0. Once that read was sent, the value is left to the ticks."""
+    from elastic.core.rendezvous.round.liveness import LivenessTracker
+
+    tracker = LivenessTracker(timeout=5.0, interval=1.0)
+    assert tracker.due() is None
+    for t in range(5):  # reads sent at 0..4: the value first received at 0.01, then kept
+        assert tracker.update({"a": b"7"}, asked=float(t), answered=t + 0.01) == ([], [])
+        assert tracker.due() == (5.01 if t >= tracker.min_reads - 1 else None), t
+    assert tracker.update({"a": b"7"}, asked=5.0, answered=5.01) == ([], [])  # too soon
+    assert tracker.due() == 5.01
+    assert tracker.update({"a": b"7"}, asked=5.01, answered=5.02) == (["a"], [])
+    assert tracker.due() is None  # read once at its due: no second extra read
+    tracker.update({"a": b"8"}, asked=5.5, answered=5.51)  # a new value: a new clock
+    assert tracker.due() is None  # too few reads of it yet
+    for t in (6.5, 7.5, 8.5, 9.5):
+        tracker.update({"a": b"8"}, asked=t, answered=t + 0.01)
+    assert tracker.due() == 10.51
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_member_is_lost_timeout_after_its_beat_was_read_not_a_tick_later(
+    server: TCPStoreServer,
+) -> None:
+    """Rank 1 watches rank 0 ("a"), whose one beat it first reads on the round's first
+    tick (an interval after it formed). The verdict comes from a read sent
+    ``heartbeat_timeout`` after that, not from the first tick past it (an interval
+    later when the grid's read is sent a moment too soon, as it mostly is)."""
+    interval, timeout = 1.0, 3.0
+    start = time.monotonic()
+    monitor, conn = member_monitor(server.port, interval=interval, timeout=timeout)
+    probe_conn = Connection(HOST, server.port, timeout=30.0)
+    probe = PrefixStore(probe_conn, "job/rdzv/")
+    try:
+        lost_at = None
+        while time.monotonic() - start < 15:
+            if probe.check([R.lost_key(0)]):
+                lost_at = time.monotonic() - start
+                break
+            time.sleep(0.02)
+        assert lost_at is not None, "rank 0 never counted lost"
+        assert json.loads(probe.get(R.lost_key(0))) == ["a"]
+        # First read at ~interval; the grid's deciding read would be at interval +
+        # timeout + interval (4 + 1 s).
+        assert interval + timeout <= lost_at <= interval + timeout + 0.5, lost_at
+    finally:
+        monitor.stop()
+        conn.close()
+        probe_conn.close()

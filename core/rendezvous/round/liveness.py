@@ -60,6 +60,7 @@ class LivenessTracker:
         # most once more with the old value (``lease.py``).
         self.min_reads = max(3, int(timeout / interval) - 1)
         self._seen: dict[str, _Seen] = {}
+        self._last_asked = float("-inf")
 
     def update(
         self, values: dict[str, bytes], asked: float, answered: float | None = None
@@ -70,6 +71,7 @@ class LivenessTracker:
         first *received*, and a verdict needs a read *sent* ``timeout`` later: a slow
         answer never shortens the time a node is given."""
         answered = asked if answered is None else answered
+        self._last_asked = max(self._last_asked, asked)
         lost, done = [], []
         for node, value in values.items():
             if value == R.DONE:
@@ -88,6 +90,23 @@ class LivenessTracker:
             if asked - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
                 lost.append(node)
         return lost, done
+
+    def due(self) -> float | None:
+        """When a read would decide that a watched value is stale: ``timeout`` after it
+        was first received, once the reads before it make ``min_reads``. Read then, not on
+        the next tick: on a fixed grid the verdict's read comes up to an interval late
+        (the first receipt is a read's *answer*, the verdict needs a read *sent* a full
+        ``timeout`` later, and the grid's read that far on is sent a moment too soon about
+        half the time). One such read per value: ``min_reads`` counts reads an interval
+        apart, and a value read once past its due and still not decided (too few reads)
+        is left to the ticks."""
+        due = [
+            s.changed_at + self.timeout
+            for s in self._seen.values()
+            if s.unchanged_reads + 1 >= self.min_reads
+            and s.changed_at + self.timeout > self._last_asked
+        ]
+        return min(due) if due else None
 
 
 def read_lost(store: CoordinationStore, rnd: int) -> list[str]:
@@ -231,16 +250,19 @@ class Liveness:
             self._published = lost
 
     def next_due(self, rank: int | None) -> float | None:
-        """When the earliest closed connection to us not yet published becomes a death,
-        if we serve (with ``rank`` in the running round, or in the last one)."""
+        """When the monitor must tick before its next interval: a watched heartbeat's
+        verdict read (``LivenessTracker.due``) and, if we serve (with ``rank`` in the
+        running round, or in the last one), the earliest closed connection to us not yet
+        published becoming a death, or silent members due to be asked."""
         with self._lock:
             serving = (self.between_rank if rank is None else rank) in SERVING_RANKS
             published = list(self._published)
-        if not serving or self.presence is None:
-            return None
-        due = self.presence.next_due(published)
-        ask = self._silent_due()
-        return ask if due is None else due if ask is None else min(due, ask)
+            tracker = self._tracker if rank is not None else None
+        dues = [tracker.due() if tracker is not None else None]
+        if serving and self.presence is not None:
+            dues += [self.presence.next_due(published), self._silent_due()]
+        known = [d for d in dues if d is not None]
+        return min(known) if known else None
 
     def _silent(self) -> tuple[list[str], float]:
         """Rank 0: the members not yet asked that never connected, and when they are due
