@@ -119,6 +119,9 @@ class Lease:
         self.kill_grace = (timeout - self.length) / 3
         # Called on the judge's thread the moment the lease runs out (once per term).
         self.on_expired: Callable[[Expiry], None] | None = None
+        # Called on the keep-alive's thread with the value each acknowledged one wrote
+        # (the monitor says it on the presence connection: ``presence.BEAT``).
+        self.on_acked: Callable[[bytes], None] | None = None
         self._term = -1
         self._told: Expiry | None = None
         # At least three keep-alives per lease: one late or lost answer never ends it.
@@ -276,6 +279,8 @@ class Lease:
                 self._slow_noted = False
         if arming:  # the round's lease, renewed: judged from now on
             JUDGES.wake(self)
+        if self.on_acked is not None:
+            self.on_acked(value.encode())
 
     def _end_arming(self) -> bool:
         """A keep-alive was answered (or failed): a lease ``arm`` found stale is judged

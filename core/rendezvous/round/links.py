@@ -110,6 +110,14 @@ class PresenceLinks:
             self._deputy_plan = self._mine
         self._wake()
 
+    def say_beat(self, value: bytes) -> None:
+        """Our keep-alive writing ``value`` was acknowledged: say so to rank 0, which
+        watches our heartbeat (the deputy does not)."""
+        with self._lock:
+            client = self.client
+        if client is not None:
+            client.say_beat(value)
+
     def stop(self, leaving: bool = False) -> None:
         """Close our connections, saying goodbye; ``leaving``: for a departure this node
         published (the serving rank reads the round's facts at once)."""

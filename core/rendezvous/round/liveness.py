@@ -63,13 +63,19 @@ class LivenessTracker:
         self._last_asked = float("-inf")
 
     def update(
-        self, values: dict[str, bytes], asked: float, answered: float | None = None
+        self,
+        values: dict[str, bytes],
+        asked: float,
+        answered: float | None = None,
+        hints: dict[str, tuple[bytes, float]] | None = None,
     ) -> tuple[list[str], list[str]]:
         """Feed the values of a read sent at ``asked`` and answered at ``answered`` (our
         monotonic clock; b"" for a missing key); returns (lost node ids: stale or
         departed, node ids that finished cleanly). A value's clock starts when it was
         first *received*, and a verdict needs a read *sent* ``timeout`` later: a slow
-        answer never shortens the time a node is given."""
+        answer never shortens the time a node is given. ``hints``: node -> (a value it
+        said was acknowledged, when we heard that: ``presence.BEAT``), an earlier first
+        receipt of that value than this read's answer when it is the value read."""
         answered = asked if answered is None else answered
         self._last_asked = max(self._last_asked, asked)
         lost, done = [], []
@@ -84,7 +90,9 @@ class LivenessTracker:
             if seen is not None and value == b"":
                 value = seen.value  # vanished (an etcd lease ran out): judged as unchanged
             if seen is None or seen.value != value:
-                self._seen[node] = _Seen(value, answered)
+                hint = (hints or {}).get(node)
+                heard = hint[1] if hint is not None and hint[0] == value else answered
+                self._seen[node] = _Seen(value, min(answered, heard))
                 continue
             seen.unchanged_reads += 1
             if asked - seen.changed_at >= self.timeout and seen.unchanged_reads >= self.min_reads:
@@ -312,7 +320,8 @@ class Liveness:
         """Round ``asg``'s lost list, with whoever was found dead since published in it:
         stale ``beats`` (read at ``asked``, answered at ``answered``), a serving rank our
         connection found dead, and, when we serve, members whose connection closed."""
-        stale, _ = self._tracker.update(beats, asked, answered)
+        hints = self.presence.beat_hints() if self.presence is not None and rank == 0 else None
+        stale, _ = self._tracker.update(beats, asked, answered, hints)
         dead = self.links.gone()  # a serving rank's process died
         if self.presence is not None and rank in SERVING_RANKS:
             dead.update(self.presence.gone())  # these members' processes died

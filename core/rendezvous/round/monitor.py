@@ -85,6 +85,7 @@ class Monitor:
         self.liveness = Liveness(
             self.store, node_id, interval, timeout, presence, hello, self._want_tick
         )
+        self.lease.on_acked = self.liveness.links.say_beat
         if presence is not None:
             presence.on_change = self._want_tick
             presence.on_left = self._someone_left

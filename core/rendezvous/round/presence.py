@@ -16,7 +16,12 @@ the serving rank read the round's facts at once. A serving rank that finds the r
 facts changed (a member lost, a node waiting to join, the job closed) says ``news`` on
 every connection, and each member reads them at once instead of on its next tick: a
 departure reaches every survivor in two store round trips, not up to a heartbeat
-interval. A vanished machine or a partition stays with the heartbeats.
+interval. A vanished machine or a partition stays with the heartbeats, and presence
+makes those sooner too: after each keep-alive the store acknowledged, a member says
+``beat <value>`` to rank 0, which dates that value from then rather than from its next
+read of the store, up to a heartbeat interval later (``liveness.LivenessTracker``: a
+verdict comes ``heartbeat_timeout`` after a value was first known, and the word is sent
+after the store applied it, so the lease's argument holds unchanged).
 
 What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
 challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
@@ -60,6 +65,10 @@ MAX_CONNECTIONS = 4096
 BYE = b"bye\n"
 LEFT = b"left\n"  # a member's goodbye for a departure it published: look now
 NEWS = b"news\n"  # a serving rank's word that the round's facts changed: look now
+# A member's word, after a keep-alive was acknowledged, naming the value it wrote:
+# ``beat <value>``. Rank 0 dates the value from its receipt (``beat_hints``).
+BEAT = b"beat "
+LINE_MAX = 64  # bytes of a line after the hello; a longer one is dropped unread
 _HELLO_KEY = "presence/hello"  # what a hello's signature is bound to, besides the job
 
 
@@ -141,6 +150,7 @@ class PresenceServer:
         self._newest: dict[str, int] = {}  # node -> the newest round a hello of it named
         self._watched_at = time.monotonic()  # when ``watch`` named the round
         self._closed_at: dict[str, float] = {}  # node -> when its last one closed unasked
+        self._beats: dict[str, tuple[bytes, float]] = {}  # node -> (its ``beat``, when)
         self._conns: dict[socket.socket, _Conn] = {}
         # The connections yet to say hello, so the loop never scans every connection for
         # a hello that is due (rank 0 of a round of N holds N - 1 named ones).
@@ -166,6 +176,7 @@ class PresenceServer:
             self._round = rnd
             self._closed_at.clear()
             self._newest = {n: r for n, r in self._newest.items() if n in self._members}
+            self._beats = {n: b for n, b in self._beats.items() if n in self._members}
             self._watched_at = time.monotonic()
 
     def silent(self) -> tuple[list[str], float]:
@@ -200,6 +211,13 @@ class PresenceServer:
                 if node in self._members and node not in done
             ]
         return min(times) + grace if times else None
+
+    def beat_hints(self) -> dict[str, tuple[bytes, float]]:
+        """The last heartbeat value each watched member said it wrote and had
+        acknowledged (``beat``), and when that word arrived (monotonic): the value was in
+        the store by then."""
+        with self._lock:
+            return {n: b for n, b in self._beats.items() if n in self._members}
 
     def tell_news(self) -> None:
         """Say ``news`` on every proved connection: its member reads the round's facts
@@ -303,10 +321,17 @@ class PresenceServer:
                 self._open[node] = self._open.get(node, 0) + 1
                 self._newest[node] = max(conn.round, self._newest.get(node, -1))
                 self._closed_at.pop(node, None)
-        left = LEFT.strip() in conn.buf and not conn.said_bye
-        if left or BYE.strip() in conn.buf:
-            conn.said_bye = True
-        conn.buf = conn.buf[-8:]  # after the hello only "bye" and "left" matter
+        *lines, conn.buf = conn.buf.split(b"\n")
+        if len(conn.buf) > LINE_MAX:
+            conn.buf = b""  # no word is that long: skip to the next line
+        left = False
+        for line in lines:
+            if LEFT.strip() in line or BYE.strip() in line:
+                left = left or (LEFT.strip() in line and not conn.said_bye)
+                conn.said_bye = True
+            elif line.startswith(BEAT) and len(line) <= LINE_MAX and conn.node is not None:
+                with self._lock:
+                    self._beats[conn.node] = (line[len(BEAT) :], time.monotonic())
         if left:
             self.on_left()
 

@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable
 
 from elastic.core.rendezvous.round.presence import (
+    BEAT,
     BLIP_GRACE,
     BYE,
     HELLO_WAIT,
     LEFT,
+    LINE_MAX,
     NEWS,
     NONCE_LEN,
 )
@@ -57,6 +59,17 @@ class PresenceClient:
                 sock.sendall(self._goodbye)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+    def say_beat(self, value: bytes) -> None:
+        """Tell the serving rank that our keep-alive writing ``value`` was acknowledged
+        (``presence.BEAT``). Never blocks: a word that does not fit the socket's buffer at
+        once is not sent (the store's value says the same a read later)."""
+        line = BEAT + value + b"\n"
+        sock = self._sock
+        if sock is None or self._stop.is_set() or len(line) > LINE_MAX or b"\n" in value:
+            return
+        with contextlib.suppress(OSError):
+            sock.send(line, socket.MSG_DONTWAIT)
 
     def _connect(self) -> socket.socket | None:
         """A connection to rank 0's port with our hello sent in answer to its challenge;
