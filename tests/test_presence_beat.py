@@ -75,15 +75,16 @@ def test_a_beat_dates_only_the_value_it_names() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_silent_member_is_lost_timeout_after_its_last_acknowledged_keep_alive(
-    tmp_path: Path,
+@pytest.mark.parametrize("silent, watcher", [(2, 0), (0, 1)], ids=["member", "rank-0"])
+def test_a_silent_node_is_lost_timeout_after_its_last_acknowledged_keep_alive(
+    tmp_path: Path, silent: int, watcher: int
 ) -> None:
-    """Three handlers with a job token (signed heartbeat values); one member sends a
-    keep-alive half an interval off its usual phase (rank 0 reads every member's value
-    just after their keep-alives, all timed from the round's start), then no more. Rank
-    0 dates that value from the member's word about it, not from its next read half an
-    interval later, and its verdict comes ``heartbeat_timeout`` after the
-    acknowledgement."""
+    """Three handlers with a job token (signed heartbeat values); one node (a member,
+    or rank 0) sends a keep-alive half an interval off its usual phase (its watcher reads
+    the value just after the keep-alives, all timed from the round's start), then no
+    more. Its watcher (rank 0, or a member) dates that value from the node's word about
+    it, not from its next read half an interval later, and its verdict comes
+    ``heartbeat_timeout`` after the acknowledgement."""
     interval, timeout = 1.0, 3.0
     token = write_token_file(tmp_path / "token", b"t" * 32)
     config = {
@@ -96,9 +97,10 @@ def test_a_silent_member_is_lost_timeout_after_its_last_acknowledged_keep_alive(
         handlers = [make(3, 3) for _ in range(3)]
         infos = rendezvous_all(handlers, timeout=30)
         by_rank = {i.rank: h for h, i in zip(handlers, infos, strict=True)}
-        rank0, quiet = by_rank[0]._monitor, by_rank[2]._monitor
-        assert rank0 is not None and quiet is not None
-        assert wait_until(lambda: quiet.liveness.links.client is not None, 10)
+        judge, quiet = by_rank[watcher]._monitor, by_rank[silent]._monitor
+        assert judge is not None and quiet is not None
+        member = quiet if silent else judge
+        assert wait_until(lambda: member.liveness.links.client is not None, 10)
         acked: list[tuple[bytes, float]] = []
         said = quiet.lease.on_acked
         assert said is not None
@@ -118,9 +120,9 @@ def test_a_silent_member_is_lost_timeout_after_its_last_acknowledged_keep_alive(
         quiet.lease.on_acked = off_phase
         assert wait_until(lambda: bool(acked), 10)
         value, at = acked[0]
-        assert wait_until(lambda: quiet.node_id in rank0.lost, 3 * timeout)
+        assert wait_until(lambda: quiet.node_id in judge.lost, 3 * timeout)
         took = time.monotonic() - at
-        seen = rank0.liveness._tracker._seen.get(quiet.node_id)
+        seen = judge.liveness._tracker._seen.get(quiet.node_id)
         assert seen is not None and seen.value == value  # the signed value read, as said
         assert seen.changed_at - at < 0.05, "dated by the next read, not by the word"
         assert timeout <= took < timeout + 0.4, took

@@ -118,6 +118,12 @@ class PresenceLinks:
         if client is not None:
             client.say_beat(value)
 
+    def rank0_beat(self) -> tuple[bytes, float] | None:
+        """Rank 0's last ``beat`` word to us: (the heartbeat value, when it arrived)."""
+        with self._lock:
+            client = self.client
+        return client.beat if client is not None else None
+
     def stop(self, leaving: bool = False) -> None:
         """Close our connections, saying goodbye; ``leaving``: for a departure this node
         published (the serving rank reads the round's facts at once)."""

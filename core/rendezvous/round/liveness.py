@@ -320,7 +320,12 @@ class Liveness:
         """Round ``asg``'s lost list, with whoever was found dead since published in it:
         stale ``beats`` (read at ``asked``, answered at ``answered``), a serving rank our
         connection found dead, and, when we serve, members whose connection closed."""
-        hints = self.presence.beat_hints() if self.presence is not None and rank == 0 else None
+        # When watched values were first known, by the ``beat`` words (``presence.py``).
+        if rank == 0:
+            hints = self.presence.beat_hints() if self.presence is not None else None
+        else:
+            beat = self.links.rank0_beat()
+            hints = {asg.first: beat} if beat is not None and asg.first is not None else None
         stale, _ = self._tracker.update(beats, asked, answered, hints)
         dead = self.links.gone()  # a serving rank's process died
         if self.presence is not None and rank in SERVING_RANKS:

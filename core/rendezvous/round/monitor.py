@@ -85,7 +85,7 @@ class Monitor:
         self.liveness = Liveness(
             self.store, node_id, interval, timeout, presence, hello, self._want_tick
         )
-        self.lease.on_acked = self.liveness.links.say_beat
+        self.lease.on_acked = self._say_beat
         if presence is not None:
             presence.on_change = self._want_tick
             presence.on_left = self._someone_left
@@ -193,6 +193,17 @@ class Monitor:
         with self._lock:
             self._tick_now = True
         self._wake.set()
+
+    def _say_beat(self, value: bytes) -> None:
+        """Our keep-alive writing ``value`` was acknowledged (the keep-alive's thread):
+        as rank 0, tell every member, each of which watches our heartbeat; as a member,
+        tell rank 0, which watches ours (``presence.BEAT``)."""
+        with self._lock:
+            rank = self._rank
+        if rank == 0 and self.liveness.presence is not None:
+            self.liveness.presence.tell_beat(value)
+        elif rank is not None:
+            self.liveness.links.say_beat(value)
 
     def _someone_left(self) -> None:
         """A member connected to us said it left (its departure is written): read it now,

@@ -18,10 +18,12 @@ every connection, and each member reads them at once instead of on its next tick
 departure reaches every survivor in two store round trips, not up to a heartbeat
 interval. A vanished machine or a partition stays with the heartbeats, and presence
 makes those sooner too: after each keep-alive the store acknowledged, a member says
-``beat <value>`` to rank 0, which dates that value from then rather than from its next
-read of the store, up to a heartbeat interval later (``liveness.LivenessTracker``: a
-verdict comes ``heartbeat_timeout`` after a value was first known, and the word is sent
-after the store applied it, so the lease's argument holds unchanged).
+``beat <value>`` to rank 0, and rank 0 to every member (rank 0 watches every member's
+heartbeat, each member watches rank 0's); the watcher dates that value from then rather
+than from its next read of the store, up to a heartbeat interval later
+(``liveness.LivenessTracker``: a verdict comes ``heartbeat_timeout`` after a value was
+first known, and the word is sent after the store applied it, so the lease's argument
+holds unchanged).
 
 What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
 challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
@@ -218,6 +220,17 @@ class PresenceServer:
         the store by then."""
         with self._lock:
             return {n: b for n, b in self._beats.items() if n in self._members}
+
+    def tell_beat(self, value: bytes) -> None:
+        """Say ``beat <value>`` on every proved connection: our keep-alive writing
+        ``value`` was acknowledged. Never blocks, as ``tell_news``."""
+        line = BEAT + value + b"\n"
+        if len(line) > LINE_MAX or b"\n" in value:
+            return
+        for conn in list(self._conns.values()):
+            if conn.node is not None:
+                with contextlib.suppress(OSError):
+                    conn.sock.send(line)
 
     def tell_news(self) -> None:
         """Say ``news`` on every proved connection: its member reads the round's facts

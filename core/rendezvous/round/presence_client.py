@@ -1,7 +1,8 @@
 """A member's end of presence (``presence.py``): one connection to a serving rank's
 agent, answering its challenge with our hello; it tells the member when that rank's
 process is gone (its connection closed unasked and its port refuses us), when it left on
-purpose (``bye``), and when it says the round's facts changed (``news``)."""
+purpose (``bye``), when it says the round's facts changed (``news``), and which
+heartbeat value it last had acknowledged (``beat``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class PresenceClient:
         self._sock: socket.socket | None = None
         self._refused = False  # the last connect failed because nothing listened
         self._goodbye = BYE
+        # The serving rank's last ``beat``: (the value, when it arrived; monotonic).
+        self.beat: tuple[bytes, float] | None = None
         self._thread = threading.Thread(target=self._run, name="rdzv-presence-client", daemon=True)
         self._thread.start()
 
@@ -100,6 +103,7 @@ class PresenceClient:
         # then: a refusal from the first connect on is its process gone (it died after
         # joining, before we connected), judged as a closed connection is.
         sock = self._connect() or self._come_back(refused=self._refused)
+        buf = b""
         while sock is not None:
             self._sock = sock
             if self._stop.is_set():  # stopped while connecting: goodbye, then close
@@ -108,13 +112,18 @@ class PresenceClient:
                 sock.close()
                 return
             try:
-                data = sock.recv(64)
+                data = sock.recv(4 * LINE_MAX)
             except OSError:
                 data = b""
-            if data and BYE.strip() not in data:
-                if NEWS.strip() in data:  # a word of 5 bytes: never split in practice
+            *lines, buf = (buf + data).split(b"\n")
+            buf = buf[-LINE_MAX:]  # no word is longer: the rest of a longer line is junk
+            if data and not any(BYE.strip() in line for line in lines):
+                if any(NEWS.strip() in line for line in lines):
                     self._on_news()
-                continue  # rank 0 sends nothing else; ignore it
+                beats = [line for line in lines if line.startswith(BEAT)]
+                if beats:
+                    self.beat = (beats[-1][len(BEAT) :], time.monotonic())
+                continue
             sock.close()
             if self._stop.is_set() or data:  # we stopped, or it left on purpose
                 return None if self._stop.is_set() else self._on_bye()
