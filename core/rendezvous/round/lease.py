@@ -68,6 +68,7 @@ have declared the node lost.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -248,7 +249,10 @@ class Lease:
             if self._stop.is_set():  # never after a departure ("left") was written
                 return
             self._seq += 1
-            value = f"{self._seq} {time.time():.3f}"
+            # The random part: nobody can name this value (``presence.BEAT``) before the
+            # store has it, so a watcher that dates it from such a word never dates it
+            # earlier than the keep-alive's send, whoever sent the word.
+            value = f"{self._seq} {time.time():.3f} {secrets.token_hex(8)}"
             self._last_sent, self._urgent = sent, False
             if self._in_flight is None:
                 self._in_flight = sent

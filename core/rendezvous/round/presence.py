@@ -23,7 +23,10 @@ heartbeat, each member watches rank 0's); the watcher dates that value from then
 than from its next read of the store, up to a heartbeat interval later
 (``liveness.LivenessTracker``: a verdict comes ``heartbeat_timeout`` after a value was
 first known, and the word is sent after the store applied it, so the lease's argument
-holds unchanged).
+holds unchanged). The word is taken only for the value the watcher then reads, and a
+value carries 64 random bits (``lease.Lease.renew``): a word from anyone else (a member
+does not prove who listens on rank 0's port) names a value that was in the store
+already, or none.
 
 What arrives on the port is untrusted. Rank 0 opens each connection with a fresh random
 challenge (``NONCE_LEN`` hex digits and a newline); the member answers with one hello line
