@@ -173,8 +173,8 @@ def test_a_live_member_slow_to_see_a_scale_up_is_waited_for_past_a_short_last_ca
 ) -> None:
     """A member learns of a waiting node on its next tick, then its agent looks: with a
     last call (0.3 s) shorter than that, the round still waits for a live member of the
-    last round (a heartbeat interval plus ``NOTICE_MARGIN``), rather than form without
-    it and re-form a second later."""
+    last round (until it comes, or its heartbeat is found stale), rather than form
+    without it and re-form a second later."""
     conf = {"last_call_timeout": "0.3", "heartbeat_interval": "1", "heartbeat_timeout": "3"}
     a, b = make(2, 3, **conf), make(2, 3, **conf)
     check_round(rendezvous_all([a, b]), 2)
@@ -187,6 +187,43 @@ def test_a_live_member_slow_to_see_a_scale_up_is_waited_for_past_a_short_last_ca
         second = pool.submit(b.next_rendezvous)
         infos = [f.result(timeout=20) for f in (first, second, pending)]
     check_round(infos, 3)
+
+
+@pytest.mark.parametrize("joiners", [1, 2], ids=["last-call", "max-nodes"])
+def test_a_round_never_forms_while_a_missing_member_may_hold_its_lease(
+    make: Make, joiners: int
+) -> None:
+    """A member of the last round stops beating (cut off from the store, say) and does
+    not come back. A scale-up round forms without it only once the coordinator's own
+    reads found its heartbeat stale, so after its lease ended (heartbeat_timeout - 1 s
+    after its last acknowledged keep-alive; its workers stop then), however short the
+    last call, and when max_nodes (3) joined without it too: formed sooner, the new
+    round's workers would start beside its old ones."""
+    conf = {"last_call_timeout": "0.3", "heartbeat_interval": "0.5", "heartbeat_timeout": "3"}
+    a, b = make(1, 3, **conf), make(1, 3, **conf)
+    check_round(rendezvous_all([a, b]), 2)
+    quiet = b._monitor
+    assert quiet is not None and quiet.lease.on_acked is not None
+    said, acked = quiet.lease.on_acked, []
+
+    def last_one(value: bytes) -> None:  # on b's keep-alive thread: no more after this
+        said(value)
+        acked.append(time.monotonic())
+        quiet.lease.suspend()
+
+    quiet.lease.on_acked = last_one
+    assert wait_until(lambda: bool(acked), 10)
+    late = [make(1, 3, **conf) for _ in range(joiners)]
+    with ThreadPoolExecutor(1 + joiners) as pool:
+        pending = [pool.submit(h.next_rendezvous) for h in late]
+        assert wait_until(lambda: a.num_nodes_waiting() >= joiners, timeout=10)
+        first = pool.submit(a.next_rendezvous)
+        infos = [f.result(timeout=30) for f in (first, *pending)]
+        formed = time.monotonic() - acked[0]
+    check_round(infos, 1 + joiners)
+    assert b.node_id not in {i.node_id for i in infos}
+    lease = 3.0 - 1.0
+    assert lease + 0.5 <= formed < 3.0 + 0.5 + 2.0, formed  # after its lease; not long after
 
 
 def test_full_job_keeps_late_node_on_standby(make: Make) -> None:

@@ -29,13 +29,6 @@ from elastic.core.rendezvous.round.settings import RoundSettings
 log = logging.getLogger(__name__)
 
 JOIN_WAIT = 0.25  # s a coordinator waiting for joiners sleeps at most between two looks
-# s a live member of the last round takes, beyond one heartbeat interval (its monitor's
-# tick that reads the new round's count), to join it: its agent's look at the cached
-# count (every 0.5 s) and its workers' stop. The last call for such a member lasts at
-# least a heartbeat interval plus this, whatever last_call_timeout says: a shorter one
-# forms the round without a member that could not have known of it yet (and re-forms
-# it a second later, when that member asks again).
-NOTICE_MARGIN = 1.0
 
 
 class Coordinator:
@@ -56,12 +49,23 @@ class Coordinator:
         # nobody known to wait for, so the last call is skipped (fast re-forming). A
         # member that departs meanwhile is added to the last round's lost list and bumps
         # ``events``: the list is read again whenever ``events`` moved. One that is gone
-        # without being listed (it died while no round ran, or its departure's write
-        # failed) is found by its heartbeat (``_gone``) during the last call.
+        # without being listed (it died while no round ran, its departure's write
+        # failed, or it is cut off) is found by its heartbeat (``_gone``).
+        #
+        # The round never forms without a member of the last round that is neither back
+        # nor found gone, whatever the last call or max_nodes say: cut off from the
+        # store, it still holds its lease and its workers run until the lease ends, and
+        # a round formed without it meanwhile would start new workers beside them (two
+        # worlds, when the cut-off members can still reach each other). Its heartbeat,
+        # stale for heartbeat_timeout on our own reads, proves its lease ended (the
+        # lease's argument, ``lease.py``). A member still beating that long after we
+        # first read it is alive but not coming (its agent held up): the round forms
+        # without it then (``_waited_out``).
         expected: set[str] = set(prev_members)
         gone: set[str] = set()
         beats = LivenessTracker(self.s.heartbeat_timeout, self.s.heartbeat_interval)
         next_beats = 0.0
+        watched_at: float | None = None  # our first read of the missing members' beats
         joined: list[dict[str, Any]] = []
         seen, events, min_at, pause, clashed = 0, -1, None, 0.002, False
         while True:
@@ -85,18 +89,20 @@ class Coordinator:
             if lines is not None:
                 lines.coordinating(self.store, rnd, joined, prev_roster, expected)
             now = time.monotonic()
+            if expected - ids and now >= next_beats:
+                watched_at = now if watched_at is None else watched_at
+                gone |= self._gone(expected - ids, beats)
+                expected -= gone
+                due = beats.due()  # a frozen value's verdict read: when it is due
+                next_beats = now + self.s.heartbeat_interval
+                next_beats = next_beats if due is None else min(next_beats, due)
             ready = len(ids) >= self.s.max_nodes
             if len(ids) >= self.s.min_nodes:
                 min_at = now if min_at is None else min_at
-                if expected - ids and now >= next_beats:
-                    next_beats = now + self.s.heartbeat_interval
-                    gone |= self._gone(expected - ids, beats)
-                    expected -= gone
-                last_call = self.s.last_call_timeout
-                if expected - ids:  # a live survivor may not have read the round yet
-                    last_call = max(last_call, self.s.heartbeat_interval + NOTICE_MARGIN)
-                if now - min_at >= last_call or (expected and expected <= ids):
+                if now - min_at >= self.s.last_call_timeout or (expected and expected <= ids):
                     ready = True
+            if ready and expected - ids and not self._waited_out(watched_at, now):
+                ready = False  # a member of the last round may still hold its lease
             if ready:
                 here = self._still_here(joined)
                 if len(here) == len(joined):
@@ -158,6 +164,14 @@ class Coordinator:
             asg.master_port,
         )
         return self.outcomes.publish(rnd, asg, roster)
+
+    def _waited_out(self, watched_at: float | None, now: float) -> bool:
+        """Whether the missing members of the last round, read since ``watched_at`` and
+        not found stale, are alive and not coming: a frozen heartbeat is found stale
+        heartbeat_timeout after our first read of it (``LivenessTracker.due``), so one
+        interval past that, any still missing kept beating."""
+        bound = self.s.heartbeat_timeout + self.s.heartbeat_interval
+        return watched_at is not None and now - watched_at >= bound
 
     def _await_join(self, rnd: int, slot: int, seconds: float) -> None:
         """Until join slot ``slot`` of round ``rnd`` is written, or ``seconds`` (at most
