@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+from collections.abc import Iterator
 
 from elastic.core.agent.base import AgentBase
 from elastic.core.agent.checkpoint_on_notice import Coordinator, count_if_saved
@@ -104,7 +105,33 @@ class InPlaceRegroup(AgentBase):
         join the next round and hand it to them; workers that do not take it in time are
         restarted in it. ``peers``: the other members of our workers' round. Returns the
         round to watch and whether this node counted itself ready for it (it did), or
-        what ``_attempt`` returns."""
+        what ``_attempt`` returns.
+
+        A preemption notice that comes meanwhile waits until our workers took the new
+        round, half the grace at most (``_notice_waits``)."""
+        with self._notice_waits():
+            return self._regroup(outcome, peers)
+
+    @contextlib.contextmanager
+    def _notice_waits(self) -> Iterator[None]:
+        """While the job re-forms, no group can save on request: the old one may have
+        lost a member, the new one has not formed. A notice acted on then waits out its
+        grace for a save that cannot come, and takes our workers away before the new
+        round's new workers synced the state from them, the most tenured ranks: the only
+        copy, when they hold the state alone (no checkpointer). So it waits, half the
+        grace at most, until our workers took the new round; then the job saves in it,
+        and this node leaves as on any notice (``signals.py``)."""
+        control = self._coordinator.control if self._coordinator is not None else None
+        grace = self._spec.preemption_grace
+        if grace <= 0 or control is None or not control.listening():
+            yield  # nobody would save on request: the notice is a departure at once
+            return
+        with self._guard.deferring(self._preempt_signum, grace / 2):
+            yield
+
+    def _regroup(
+        self, outcome: Outcome, peers: list[str] | None
+    ) -> tuple[RendezvousInfo, bool] | RunResult | None:
         assert self._coordinator is not None
         control = self._coordinator.control
         if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now

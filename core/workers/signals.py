@@ -8,8 +8,10 @@ May import ``loop_clock`` (the loop's pulse every wait stamps).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +43,11 @@ class SignalGuard:
         self.names = tuple(names)
         self.pending: int | None = None
         self._interruptible = False
+        # ``deferring``: (the signal that waits, for how long after it came); its end
+        # (monotonic) once it came, and the timer that sends it again then.
+        self._defer: tuple[int, float] | None = None
+        self._defer_until: float | None = None
+        self._timer: threading.Timer | None = None
         self._saved: dict[int, Any] = {}
         self.clock = LoopClock()  # the loop's pulse: every wait stamps it (liveness)
 
@@ -61,14 +68,43 @@ class SignalGuard:
     def _handle(self, signum: int, frame: object) -> None:
         if self.pending is None:
             self.pending = signum
+        if self._deferred(signum):
+            return
         if self._interruptible:
             self._interruptible = False
             raise Interrupted(signum)
 
+    def _deferred(self, signum: int) -> bool:
+        """Whether ``signum`` waits now (``deferring``); the first time, its wait starts."""
+        if self._defer is None or self._defer[0] != signum:
+            return False
+        now = time.monotonic()
+        if self._defer_until is None:
+            self._defer_until = now + self._defer[1]
+            # At the end of the wait the signal comes again, to a wait it may interrupt.
+            self._timer = threading.Timer(self._defer[1], os.kill, (os.getpid(), signum))
+            self._timer.daemon = True
+            self._timer.start()
+        return now < self._defer_until
+
     def check(self) -> None:
-        """Raise ``Interrupted`` if a signal arrived since the last wait."""
-        if self.pending is not None:
+        """Raise ``Interrupted`` if a signal arrived since the last wait (one that waits,
+        ``deferring``, once its wait is over)."""
+        if self.pending is not None and not self._deferred(self.pending):
             raise Interrupted(self.pending)
+
+    @contextlib.contextmanager
+    def deferring(self, signum: int, seconds: float) -> Iterator[None]:
+        """Within: ``signum`` is remembered, not raised, for up to ``seconds`` after it
+        came; then, or at the first wait after the block, it is raised as any other."""
+        self._defer, self._defer_until = (signum, seconds), None
+        try:
+            yield
+        finally:
+            self._defer, self._defer_until = None, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
