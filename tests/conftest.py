@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from elastic.core.rendezvous.round.presence import PresenceServer
 from elastic.harness.cluster import cluster_factory  # noqa: F401  (the fixture, for every test)
 from elastic.harness.processes import Processes
 from elastic.testing.ports import free_port
@@ -23,6 +24,15 @@ for _name in [n for n in os.environ if n.startswith("SLURM_")]:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@pytest.fixture
+def presence_server() -> Iterator[PresenceServer]:
+    """A presence port of run "job" (no token) watching member "m1" of round 1."""
+    server = PresenceServer("127.0.0.1", None, "job")
+    server.watch(["m1"], 1)
+    yield server
+    server.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,38 +22,30 @@ from elastic.testing.waits import wait_until
 RUN = "job"
 
 
-@pytest.fixture
-def server() -> Iterator[PresenceServer]:
-    port = PresenceServer("127.0.0.1", None, RUN)
-    port.watch(["m1"], 1)
-    yield port
-    port.close()
-
-
 @pytest.mark.timeout(60)
 def test_a_beat_word_is_dated_on_arrival_and_leaves_the_other_words_alone(
-    server: PresenceServer,
+    presence_server: PresenceServer,
 ) -> None:
     left = threading.Event()
-    server.on_left = left.set
+    presence_server.on_left = left.set
     client = PresenceClient(
         "127.0.0.1",
-        server.port,
+        presence_server.port,
         lambda nonce: hello_line(None, RUN, "m1", 1, nonce),
         on_gone=lambda: None,
     )
-    assert wait_until(lambda: server.silent()[0] == [], 10)  # its hello proved it
+    assert wait_until(lambda: presence_server.silent()[0] == [], 10)  # its hello proved it
     before = time.monotonic()
     client.say_beat(b"7 1795827343.396")
-    assert wait_until(lambda: "m1" in server.beat_hints(), 5)
-    value, at = server.beat_hints()["m1"]
+    assert wait_until(lambda: "m1" in presence_server.beat_hints(), 5)
+    value, at = presence_server.beat_hints()["m1"]
     assert value == b"7 1795827343.396" and before <= at <= time.monotonic()
     client.say_beat(b"x" * LINE_MAX)  # too long to be a word: never sent
     client.say_beat(b"8 1795827344.396")
-    assert wait_until(lambda: server.beat_hints()["m1"][0] == b"8 1795827344.396", 5)
+    assert wait_until(lambda: presence_server.beat_hints()["m1"][0] == b"8 1795827344.396", 5)
     client.stop(leaving=True)  # "left" after the beats is still heard
     assert left.wait(5)
-    assert server.gone(grace=0.0) == []
+    assert presence_server.gone(grace=0.0) == []
 
 
 def test_a_beat_dates_only_the_value_it_names() -> None:

@@ -22,58 +22,50 @@ RUN = "job"
 SLOW_TICKS = {"heartbeat_interval": "10", "heartbeat_timeout": "30", "close_timeout": "3"}
 
 
-@pytest.fixture
-def server() -> Iterator[PresenceServer]:
-    port = PresenceServer("127.0.0.1", None, RUN)
-    port.watch(["m1"], 1)
-    yield port
-    port.close()
-
-
-def member(server: PresenceServer, **calls: threading.Event) -> PresenceClient:
-    """Member ``m1`` of round 1, connected to ``server``; each event is set by the call of
-    its name."""
+def member(presence_server: PresenceServer, **calls: threading.Event) -> PresenceClient:
+    """Member ``m1`` of round 1, connected to ``presence_server``; each event is set by
+    the call of its name."""
     client = PresenceClient(
         "127.0.0.1",
-        server.port,
+        presence_server.port,
         lambda nonce: hello_line(None, RUN, "m1", 1, nonce),
         on_gone=calls.get("gone", threading.Event()).set,
         on_bye=calls.get("bye", threading.Event()).set,
         on_news=calls.get("news", threading.Event()).set,
     )
-    assert wait_until(lambda: server.silent()[0] == [], 10)  # its hello proved it
+    assert wait_until(lambda: presence_server.silent()[0] == [], 10)  # its hello proved it
     return client
 
 
 @pytest.mark.timeout(60)
-def test_news_reaches_each_member_and_left_is_no_death(server: PresenceServer) -> None:
+def test_news_reaches_each_member_and_left_is_no_death(presence_server: PresenceServer) -> None:
     news, gone, bye, left = (
         threading.Event(),
         threading.Event(),
         threading.Event(),
         threading.Event(),
     )
-    server.on_left = left.set
-    client = member(server, news=news, gone=gone, bye=bye)
-    server.tell_news()
+    presence_server.on_left = left.set
+    client = member(presence_server, news=news, gone=gone, bye=bye)
+    presence_server.tell_news()
     assert news.wait(5), "the member was not told"
     client.stop(leaving=True)
     assert left.wait(5), "the serving rank did not hear the departure"
     time.sleep(0.7)  # past the blip grace: a close after "left" is never a death
-    assert server.gone(grace=0.0) == [] and not gone.is_set() and not bye.is_set()
+    assert presence_server.gone(grace=0.0) == [] and not gone.is_set() and not bye.is_set()
 
 
 @pytest.mark.timeout(60)
-def test_a_plain_goodbye_wakes_nobody(server: PresenceServer) -> None:
+def test_a_plain_goodbye_wakes_nobody(presence_server: PresenceServer) -> None:
     """A member moving on to a new round says "bye": the serving rank is not woken for
     each of them (a round of a thousand would make a thousand ticks)."""
     left = threading.Event()
-    server.on_left = left.set
-    client = member(server)
+    presence_server.on_left = left.set
+    client = member(presence_server)
     client.stop()
     time.sleep(0.5)
     assert not left.is_set()
-    assert server.gone(grace=0.0) == []
+    assert presence_server.gone(grace=0.0) == []
 
 
 @pytest.fixture
