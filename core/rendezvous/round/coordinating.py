@@ -1,7 +1,8 @@
 """The coordinator's side of a round: ``Coordinator`` is run by the node in the lowest
 valid slot. It polls the round's counter (cheap: one node), reads the new join records in
 one ``multi_get``, decides when the round is complete (max_nodes, the last call, or every
-survivor of the last round back) and publishes one assignment; a round that cannot form
+survivor of the last round back; never while a missing member of the last round may still
+hold its lease) and publishes one assignment; a round that cannot form
 within ``join_timeout`` is published abandoned, one the job closed under is published
 closed.
 
