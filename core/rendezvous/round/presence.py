@@ -74,6 +74,19 @@ NEWS = b"news\n"  # a serving rank's word that the round's facts changed: look n
 # ``beat <value>``. Rank 0 dates the value from its receipt (``beat_hints``).
 BEAT = b"beat "
 LINE_MAX = 64  # bytes of a line after the hello; a longer one is dropped unread
+
+
+def beat_line(value: bytes) -> bytes | None:
+    """The ``beat`` line naming heartbeat ``value``; None when it cannot be one line."""
+    line = BEAT + value + b"\n"
+    return None if len(line) > LINE_MAX or b"\n" in value else line
+
+
+def beat_value(line: bytes) -> bytes | None:
+    """The heartbeat value a received line (its newline taken off) names, if a ``beat``."""
+    return line[len(BEAT) :] if line.startswith(BEAT) and len(line) < LINE_MAX else None
+
+
 _HELLO_KEY = "presence/hello"  # what a hello's signature is bound to, besides the job
 
 
@@ -227,8 +240,8 @@ class PresenceServer:
     def tell_beat(self, value: bytes) -> None:
         """Say ``beat <value>`` on every proved connection: our keep-alive writing
         ``value`` was acknowledged. Never blocks, as ``tell_news``."""
-        line = BEAT + value + b"\n"
-        if len(line) > LINE_MAX or b"\n" in value:
+        line = beat_line(value)
+        if line is None:
             return
         for conn in list(self._conns.values()):
             if conn.node is not None:
@@ -345,9 +358,9 @@ class PresenceServer:
             if LEFT.strip() in line or BYE.strip() in line:
                 left = left or (LEFT.strip() in line and not conn.said_bye)
                 conn.said_bye = True
-            elif line.startswith(BEAT) and len(line) <= LINE_MAX and conn.node is not None:
+            elif (value := beat_value(line)) is not None and conn.node is not None:
                 with self._lock:
-                    self._beats[conn.node] = (line[len(BEAT) :], time.monotonic())
+                    self._beats[conn.node] = (value, time.monotonic())
         if left:
             self.on_left()
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 
 from elastic.core.rendezvous.round.presence import (
-    BEAT,
     BLIP_GRACE,
     BYE,
     HELLO_WAIT,
@@ -21,6 +20,8 @@ from elastic.core.rendezvous.round.presence import (
     LINE_MAX,
     NEWS,
     NONCE_LEN,
+    beat_line,
+    beat_value,
 )
 
 
@@ -67,9 +68,9 @@ class PresenceClient:
         """Tell the serving rank that our keep-alive writing ``value`` was acknowledged
         (``presence.BEAT``). Never blocks: a word that does not fit the socket's buffer at
         once is not sent (the store's value says the same a read later)."""
-        line = BEAT + value + b"\n"
+        line = beat_line(value)
         sock = self._sock
-        if sock is None or self._stop.is_set() or len(line) > LINE_MAX or b"\n" in value:
+        if sock is None or self._stop.is_set() or line is None:
             return
         with contextlib.suppress(OSError):
             sock.send(line, socket.MSG_DONTWAIT)
@@ -120,9 +121,9 @@ class PresenceClient:
             if data and not any(BYE.strip() in line for line in lines):
                 if any(NEWS.strip() in line for line in lines):
                     self._on_news()
-                beats = [line for line in lines if line.startswith(BEAT)]
+                beats = [v for v in map(beat_value, lines) if v is not None]
                 if beats:
-                    self.beat = (beats[-1][len(BEAT) :], time.monotonic())
+                    self.beat = (beats[-1], time.monotonic())
                 continue
             sock.close()
             if self._stop.is_set() or data:  # we stopped, or it left on purpose
