@@ -773,3 +773,36 @@ def test_a_handler_that_cannot_be_made_closes_what_it_opened(port: int, fails_at
         assert all(conn._closed for conn in made)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("workers", ["kept-waiting", "kept-training", "restarted"])
+def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, workers: str) -> None:
+    """A member leaves while a newcomer joins. Survivors whose workers are kept and wait
+    for a new group (``set_workers_kept(True, waiting=True)``: their group lost the
+    member) form the round alone, so their workers train while the newcomer's start; the
+    newcomer waits for the next round, which the survivors see as a node waiting, and all
+    three form it. Survivors that restart their workers, or whose kept workers train on
+    in a whole group, take the newcomer into the same round."""
+    handlers = [make(2, 4, last_call_timeout="1") for _ in range(3)]
+    check_round(rendezvous_all(handlers), 3)
+    c = next(h for h in handlers if not h.is_hosting)  # the store stays where it is
+    a, b = survivors = [h for h in handlers if h is not c]
+    newcomer = make(2, 4, last_call_timeout="1")
+    c.leave()
+    with ThreadPoolExecutor(3) as pool:
+        late = pool.submit(newcomer.next_rendezvous)
+        assert wait_until(lambda: a.num_nodes_waiting() > 0, 5)  # it took its slot
+        for h in survivors:
+            h.set_workers_kept(workers != "restarted", waiting=workers == "kept-waiting")
+        again = [f.result(timeout=10) for f in [pool.submit(h.next_rendezvous) for h in survivors]]
+        if workers != "kept-waiting":
+            check_round([*again, late.result(timeout=10)], 3)
+            return
+        check_round(again, 2)
+        assert newcomer.node_id not in round_members(a, again[0])
+        assert not late.done()
+        assert wait_until(lambda: a.num_nodes_waiting() > 0, 5)  # the next round's joiner
+        for h in survivors:
+            h.set_workers_kept(True)  # their new group is whole: they train on in it
+        third = [pool.submit(h.next_rendezvous) for h in survivors]
+        check_round([*(f.result(timeout=10) for f in third), late.result(timeout=10)], 3)

@@ -67,7 +67,9 @@ class AgentBase:
     _spares: SparePool | None  # --warm-restarts (crew)
 
     # --- the rooms' methods, as the others call them ------------------------------------
-    def _rendezvous(self) -> RendezvousInfo | RunResult:  # loop
+    def _rendezvous(  # loop
+        self, kept: bool = False, waiting: bool = False
+    ) -> RendezvousInfo | RunResult:
         raise NotImplementedError
 
     def _start(self, info: RendezvousInfo, restarts: int) -> str | None:  # crew

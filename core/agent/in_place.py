@@ -53,16 +53,16 @@ class InPlaceRegroup(AgentBase):
         takes it as it creates its group (``elastic.init_process_group``), so their start-up
         is not thrown away. Returns the round to watch and whether this node counted itself
         ready for it (not yet: its workers will say so), or what ``_attempt`` returns."""
-        info = self._next_round()
+        info = self._next_round(kept=False)  # starting: their start-up is not over
         if not isinstance(info, RendezvousInfo):
             return info
         self._joining.attempt_started(info.store, info.round, self._calls)
         self._hand_round_over(info)
         return info, False
 
-    def _next_round(self) -> RendezvousInfo | RunResult | None:
+    def _next_round(self, kept: bool, waiting: bool = False) -> RendezvousInfo | RunResult | None:
         """The next round, or (its workers stopped) how the job ended meanwhile."""
-        info = self._rendezvous()
+        info = self._rendezvous(kept, waiting)
         if isinstance(info, RunResult) or self._calls(job_failed, info.store):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             if isinstance(info, RunResult):
@@ -134,7 +134,8 @@ class InPlaceRegroup(AgentBase):
     ) -> tuple[RendezvousInfo, bool] | RunResult | None:
         assert self._coordinator is not None
         control = self._coordinator.control
-        if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
+        waiting = outcome is not Outcome.MEMBERSHIP
+        if waiting:  # the old group lost a member: stop now
             control.request_regroup(lost=True)
         coordinator = self._coordinator
 
@@ -143,7 +144,7 @@ class InPlaceRegroup(AgentBase):
             return round_superseded(self._handler)
 
         while True:
-            info = self._next_round()
+            info = self._next_round(kept=True, waiting=waiting)
             if not isinstance(info, RendezvousInfo):
                 return info
             # Until every node's workers can join, ours train on in the old group if
@@ -154,6 +155,7 @@ class InPlaceRegroup(AgentBase):
                 break
             if lost_a_peer(self._handler, peers):  # ours wait with it in vain
                 control.request_regroup(lost=True)
+                waiting = True
         if finished(self._workers, self._sleep):  # meanwhile, in the old round
             # The new round's new workers wait for a group that will not come: their
             # agents see the job finished and meet us at this round's exit barrier.

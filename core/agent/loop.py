@@ -201,10 +201,13 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
             if result is not None:
                 return result
 
-    def _rendezvous(self) -> RendezvousInfo | RunResult:
-        """This node's next round, or how the run ends when there is none."""
+    def _rendezvous(self, kept: bool = False, waiting: bool = False) -> RendezvousInfo | RunResult:
+        """This node's next round, or how the run ends when there is none. ``kept``: our
+        workers run on into it (they regroup in place); ``waiting``: their group lost a
+        member, they wait for this round's."""
         t0 = time.monotonic()
         try:
+            self._handler.set_workers_kept(kept, waiting)
             with self._guard.waiting():
                 info = self._handler.next_rendezvous()
         except RendezvousGracefulExitError as exc:

@@ -337,6 +337,19 @@ class RendezvousHandler(abc.ABC):
         """
         return None
 
+    def set_workers_kept(self, kept: bool, waiting: bool = False) -> None:
+        """What this node's next ``next_rendezvous`` brings: workers that keep running
+        through the change (``kept``: they regroup in place) or workers still to start;
+        ``waiting``: kept workers whose group lost a member, so they cannot train until
+        the new round gives them one.
+
+        Such waiting workers train again as soon as they have a group, while a node with
+        workers still to start (a replacement, a node that was fenced, one whose worker
+        crashed) takes seconds: a backend may form the round with the kept nodes first
+        and take the others in the next one, as it takes any joiner, while the kept
+        workers train. Backends that cannot do nothing."""
+        return None
+
     def watch_keys(self, keys: Sequence[str]) -> Callable[[], list[bytes] | None] | None:
         """Have the handler's background reads include these keys of the job's store
         (``RendezvousInfo.store``): returns a function giving their latest values in

@@ -128,7 +128,13 @@ class Coordinator:
     ) -> R.Assignment:
         """Choose round ``rnd``'s members among ``joined`` and publish the formed round."""
         prev_members = prev_roster.members if prev_roster is not None else []
-        chosen = R.choose_members(joined, prev_members, self.s.max_nodes)
+        first = R.kept_first(joined, self.s.min_nodes)
+        if len(first) < len(joined):
+            log.info(
+                "round %d: formed with the %d node(s) whose workers are kept; %d with "
+                "workers to start join the next round", rnd, len(first), len(joined) - len(first)
+            )  # fmt: skip
+        chosen = R.choose_members(first, prev_members, self.s.max_nodes)
         roster = R.Roster(
             round=rnd,
             members=[rec["id"] for rec in chosen],

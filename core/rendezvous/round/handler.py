@@ -101,6 +101,9 @@ class RoundRendezvousHandler(RendezvousHandler):
             "rank_hint": settings.node_rank,
             "presence": self._presence.port if self._presence is not None else 0,
             "standby": standby,
+            # whether we join with workers that run on, and wait (``set_workers_kept``)
+            "kept": False,
+            "waiting": False,
         }
         self.protocol = RoundProtocol(
             self.rdzv_store,
@@ -206,6 +209,11 @@ class RoundRendezvousHandler(RendezvousHandler):
             node_id=self.node_id,
             change=asg.change,
         )
+
+    def set_workers_kept(self, kept: bool, waiting: bool = False) -> None:
+        # Read by the round's coordinator from our next join record
+        # (``records.kept_first``).
+        self.protocol.node.update(kept=kept, waiting=kept and waiting)
 
     def is_closed(self) -> bool:
         if self._monitor is not None and self._monitor.in_round and not self._shut:

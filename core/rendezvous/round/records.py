@@ -301,6 +301,23 @@ def rank_runs(slots: list[int]) -> list[list[int]]:
     return runs
 
 
+def kept_first(records: list[dict[str, Any]], min_nodes: int) -> list[dict[str, Any]]:
+    """The join records a round is formed with: all of them, except after a loss.
+
+    Nodes whose workers are kept and wait (``kept``, ``waiting``: they regroup in place
+    and their group lost a member) cannot train until this round gives them a new group.
+    A joiner with workers still to start (``import torch``, the model: seconds) would hold
+    them for its start-up. So the round is the kept nodes alone when they are enough for
+    one (``min_nodes``); the others join the next round as any joiner joins a running
+    job, while the kept workers train (their agents see them waiting). Kept workers whose
+    group is whole train on in it meanwhile anyway: then everyone forms one round."""
+    kept = [rec for rec in records if rec.get("kept") is True]
+    waiting = any(rec.get("waiting") is True for rec in kept)
+    if not waiting or len(kept) == len(records) or len({r["id"] for r in kept}) < min_nodes:
+        return records
+    return kept
+
+
 def choose_members(
     records: list[dict[str, Any]], prev_members: list[str], max_nodes: int
 ) -> list[dict[str, Any]]:
