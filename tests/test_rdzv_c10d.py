@@ -806,3 +806,18 @@ def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, workers: s
             h.set_workers_kept(True)  # their new group is whole: they train on in it
         third = [pool.submit(h.next_rendezvous) for h in survivors]
         check_round([*(f.result(timeout=10) for f in third), late.result(timeout=10)], 3)
+
+
+def test_kept_first_takes_only_the_new_nodes_the_minimum_needs() -> None:
+    def rec(node: str, kept: bool = False, waiting: bool = False) -> dict[str, Any]:
+        return {"id": node, "addr": "a", "port": 1, "round": 3, "kept": kept, "waiting": waiting}
+
+    new = [rec("n1"), rec("n2"), rec("n3")]
+    waits, trains = rec("k", kept=True, waiting=True), rec("k", kept=True)
+    # one kept node waits, three with workers to start, min_nodes 2: the first of them
+    assert [r["id"] for r in R.kept_first([new[0], waits, *new[1:]], 2)] == ["n1", "k"]
+    assert [r["id"] for r in R.kept_first([waits, *new], 3)] == ["k", "n1", "n2"]
+    assert [r["id"] for r in R.kept_first([waits, *new], 1)] == ["k"]
+    # nobody waits (a plain join), or nobody is kept (plain scripts): everyone
+    assert R.kept_first([trains, *new], 1) == [trains, *new]
+    assert R.kept_first(new, 1) == new

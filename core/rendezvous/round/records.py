@@ -302,20 +302,26 @@ def rank_runs(slots: list[int]) -> list[list[int]]:
 
 
 def kept_first(records: list[dict[str, Any]], min_nodes: int) -> list[dict[str, Any]]:
-    """The join records a round is formed with: all of them, except after a loss.
+    """The join records a round is formed with (in arrival order): all of them, except
+    after a loss.
 
     Nodes whose workers are kept and wait (``kept``, ``waiting``: they regroup in place
     and their group lost a member) cannot train until this round gives them a new group.
-    A joiner with workers still to start (``import torch``, the model: seconds) would hold
-    them for its start-up. So the round is the kept nodes alone when they are enough for
-    one (``min_nodes``); the others join the next round as any joiner joins a running
-    job, while the kept workers train (their agents see them waiting). Kept workers whose
-    group is whole train on in it meanwhile anyway: then everyone forms one round."""
-    kept = [rec for rec in records if rec.get("kept") is True]
-    waiting = any(rec.get("waiting") is True for rec in kept)
-    if not waiting or len(kept) == len(records) or len({r["id"] for r in kept}) < min_nodes:
+    A joiner with workers still to start (``import torch``, the model: seconds, and
+    longer for several at once on a busy host) would hold them for its start-up. So the
+    round is the kept nodes, and only as many of the others, the first to come, as
+    ``min_nodes`` needs; the rest join the next round as any joiner joins a running job,
+    while the kept workers train (their agents see them waiting). Kept workers whose group
+    is whole train on in it meanwhile anyway: then everyone forms one round."""
+    kept: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("kept") is True:
+            kept.setdefault(rec["id"], rec)
+    if not any(rec.get("waiting") is True for rec in kept.values()):
         return records
-    return kept
+    others = [rec for rec in records if rec["id"] not in kept]
+    chosen = {rec["id"] for rec in others[: max(0, min_nodes - len(kept))]} | set(kept)
+    return [rec for rec in records if rec["id"] in chosen]
 
 
 def choose_members(
