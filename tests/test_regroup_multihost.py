@@ -268,3 +268,42 @@ def test_a_job_that_finishes_while_a_node_joins_ends_with_success_everywhere(
     done = [e for e in seen if e["event"] == "done"]
     assert {e["value"] for e in done} == {value} and len(done) == 2, done
     assert {e["restart"] for e in seen} == {0}
+
+
+@pytest.mark.timeout(180)
+def test_a_node_whose_worker_crashed_rejoins_while_the_others_train(
+    cluster_factory: Make, tmp_path: Path
+) -> None:
+    """One node's worker dies (SIGKILL of the worker alone): its agent starts a new one
+    (a restart of the budget), the others' workers, whose group broke under them, are
+    kept. They form a round of their own (``records.kept_first``) and train in it while
+    the new worker starts (4 s here, a big model), then take the crashed node back in
+    the round after; the final state is exact."""
+    with reference_run(tmp_path, JOIN_STEPS) as expected:
+        cluster = cluster_factory(3)
+        nodes = list(cluster.hosts)
+        job = start_job(cluster, tmp_path, "2:3", nodes, JOIN_STEPS, args=("--max-restarts=1",))
+        crashed, kept = nodes[2], nodes[:2]
+        (job.workdir / f"slow-start-{crashed.name}").write_text("4")
+        worker = job.latest(crashed)
+        assert worker is not None
+        killed = time.time()
+        os.kill(worker["pid"], signal.SIGKILL)
+        hurry_once(job, nodes, 3, killed)
+        finish(job, nodes)
+        value = expected()
+    seen = read_events(job.workdir)
+    names = {h.name for h in kept}
+    pids = {(e["host"], e["pid"]) for e in seen if e["host"] in names}
+    assert len(pids) == 2, f"the kept workers were started again: {pids}\n{job.texts()}"
+    back = [e for e in seen if e["event"] == "step" and e["world"] == 3 and e["t"] > killed]
+    assert {e["host"] for e in back} == {h.name for h in nodes}, job.texts()
+    first = min(e["t"] for e in back)
+    alone = [e for e in seen if e["event"] == "step" and e["world"] == 2 and e["t"] < first]
+    assert {e["host"] for e in alone} == names, f"{alone}\n{job.texts()}"
+    done = [e for e in seen if e["event"] == "done"]
+    assert len(done) == 3 and {e["value"] for e in done} == {value}, done
+    print(
+        f"a crashed worker: {len(alone) // 2} steps in the 2-node world while its "
+        f"replacement started, the 3-node world {first - killed:.2f}s after the kill"
+    )

@@ -134,9 +134,11 @@ class InPlaceRegroup(AgentBase):
     ) -> tuple[RendezvousInfo, bool] | RunResult | None:
         assert self._coordinator is not None
         control = self._coordinator.control
-        waiting = outcome is not Outcome.MEMBERSHIP
-        if waiting:  # the old group lost a member: stop now
+        if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
             control.request_regroup(lost=True)
+        # Our workers cannot train until the new round: their group lost a member, or
+        # broke under them (a peer's workers died: fenced, crashed) before anyone was lost.
+        waiting = outcome is not Outcome.MEMBERSHIP or control.broken()
         coordinator = self._coordinator
 
         def superseded() -> bool:  # asked every poll while the next round gets ready
