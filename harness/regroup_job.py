@@ -181,6 +181,9 @@ STEPS = 60
 # A joining node's worker starts (imports torch) while the others train on: the job must
 # outlast that on a loaded 2-core machine.
 JOIN_STEPS = 200
+# The same while the others train in a world of their own after a loss (``kept_first``):
+# the job must not end before the new worker is up.
+REJOIN_STEPS = 2 * JOIN_STEPS
 CHANGE_AT = 5  # the fault comes once the job has done this many steps
 PAUSE = 0.1  # s per step
 FORM_TIMEOUT = 60.0  # first round: every agent imports and connects on 2 cores

@@ -797,9 +797,11 @@ def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, workers: s
         again = [f.result(timeout=10) for f in [pool.submit(h.next_rendezvous) for h in survivors]]
         if workers != "kept-waiting":
             check_round([*again, late.result(timeout=10)], 3)
+            assert {i.deferred for i in again} == {0}
             return
         check_round(again, 2)
         assert newcomer.node_id not in round_members(a, again[0])
+        assert {i.deferred for i in again} == {1}  # its waiting supersedes nothing
         assert not late.done()
         assert wait_until(lambda: a.num_nodes_waiting() > 0, 5)  # the next round's joiner
         for h in survivors:
@@ -808,16 +810,16 @@ def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, workers: s
         check_round([*(f.result(timeout=10) for f in third), late.result(timeout=10)], 3)
 
 
-def test_kept_first_takes_only_the_new_nodes_the_minimum_needs() -> None:
+def test_kept_first_leaves_new_workers_for_the_next_round_only_when_the_kept_suffice() -> None:
     def rec(node: str, kept: bool = False, waiting: bool = False) -> dict[str, Any]:
         return {"id": node, "addr": "a", "port": 1, "round": 3, "kept": kept, "waiting": waiting}
 
-    new = [rec("n1"), rec("n2"), rec("n3")]
-    waits, trains = rec("k", kept=True, waiting=True), rec("k", kept=True)
-    # one kept node waits, three with workers to start, min_nodes 2: the first of them
-    assert [r["id"] for r in R.kept_first([new[0], waits, *new[1:]], 2)] == ["n1", "k"]
-    assert [r["id"] for r in R.kept_first([waits, *new], 3)] == ["k", "n1", "n2"]
-    assert [r["id"] for r in R.kept_first([waits, *new], 1)] == ["k"]
+    new = [rec("n1"), rec("n2")]
+    waits = [rec("k1", kept=True, waiting=True), rec("k2", kept=True)]
+    assert [r["id"] for r in R.kept_first([new[0], *waits, new[1]], 2)] == ["k1", "k2"]
+    # fewer kept nodes than min_nodes wait for new workers anyway: everyone
+    assert R.kept_first([new[0], *waits, new[1]], 3) == [new[0], *waits, new[1]]
     # nobody waits (a plain join), or nobody is kept (plain scripts): everyone
-    assert R.kept_first([trains, *new], 1) == [trains, *new]
+    trains = [rec("k1", kept=True), rec("k2", kept=True)]
+    assert R.kept_first([*trains, *new], 1) == [*trains, *new]
     assert R.kept_first(new, 1) == new

@@ -41,6 +41,7 @@ from elastic.harness.regroup_job import (
     FORM_TIMEOUT,
     JOIN_STEPS,
     PAUSE,
+    REJOIN_STEPS,
     STEPS,
     finish,
     hurry_once,
@@ -279,10 +280,10 @@ def test_a_node_whose_worker_crashed_rejoins_while_the_others_train(
     kept. They form a round of their own (``records.kept_first``) and train in it while
     the new worker starts (4 s here, a big model), then take the crashed node back in
     the round after; the final state is exact."""
-    with reference_run(tmp_path, JOIN_STEPS) as expected:
+    with reference_run(tmp_path, REJOIN_STEPS) as expected:
         cluster = cluster_factory(3)
         nodes = list(cluster.hosts)
-        job = start_job(cluster, tmp_path, "2:3", nodes, JOIN_STEPS, args=("--max-restarts=1",))
+        job = start_job(cluster, tmp_path, "2:3", nodes, REJOIN_STEPS, args=("--max-restarts=1",))
         crashed, kept = nodes[2], nodes[:2]
         (job.workdir / f"slow-start-{crashed.name}").write_text("4")
         worker = job.latest(crashed)

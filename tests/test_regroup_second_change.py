@@ -25,6 +25,7 @@ from elastic.harness.cluster import Cluster
 from elastic.harness.multihost import wait_until
 from elastic.harness.regroup_job import (
     JOIN_STEPS,
+    REJOIN_STEPS,
     all_done,
     finish,
     hurry_once,
@@ -42,11 +43,11 @@ Make = Callable[..., Cluster]
 def test_a_member_dying_while_a_joiner_gets_ready_keeps_the_other_workers(
     cluster_factory: Make, tmp_path
 ) -> None:
-    with reference_run(tmp_path, JOIN_STEPS) as expected:
+    with reference_run(tmp_path, REJOIN_STEPS) as expected:
         cluster = cluster_factory(4)
         nodes = list(cluster.hosts)
         kept, victim, joiner = nodes[:2], nodes[2], nodes[3]
-        job = start_job(cluster, tmp_path, "2:4", nodes[:3], JOIN_STEPS)
+        job = start_job(cluster, tmp_path, "2:4", nodes[:3], REJOIN_STEPS)
         # The joiner's worker is still starting when the kill comes (a big model).
         (job.workdir / f"slow-start-{joiner.name}").write_text("4")
         job.start(joiner)

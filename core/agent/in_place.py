@@ -13,6 +13,7 @@ imports that module, ``checkpoint_on_notice``, ``start`` and ``restarts``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import Iterator
@@ -141,9 +142,9 @@ class InPlaceRegroup(AgentBase):
         waiting = outcome is not Outcome.MEMBERSHIP or control.broken()
         coordinator = self._coordinator
 
-        def superseded() -> bool:  # asked every poll while the next round gets ready
+        def superseded(deferred: int) -> bool:  # asked every poll while a round gets ready
             store_call(count_if_saved, coordinator)
-            return round_superseded(self._handler)
+            return round_superseded(self._handler, deferred)
 
         while True:
             info = self._next_round(kept=True, waiting=waiting)
@@ -152,7 +153,12 @@ class InPlaceRegroup(AgentBase):
             # Until every node's workers can join, ours train on in the old group if
             # they can; a round that lost a member meanwhile is skipped for the next.
             if wait_ready(
-                info.store, info.round, info.world_size, self._workers, self._sleep, superseded
+                info.store,
+                info.round,
+                info.world_size,
+                self._workers,
+                self._sleep,
+                functools.partial(superseded, info.deferred),
             ):
                 break
             if lost_a_peer(self._handler, peers):  # ours wait with it in vain

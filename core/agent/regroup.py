@@ -116,14 +116,18 @@ class RoundWatch:
         return control.all_capable() and store_call(coordinator.complete, self._world_size)
 
 
-def round_superseded(handler: RendezvousHandler) -> bool:
+def round_superseded(handler: RendezvousHandler, deferred: int = 0) -> bool:
     """Whether the round being readied will never form a group: it lost a member (a node
     died or left, a joiner whose new workers failed went away), or nodes wait for the next
-    one. Either makes every member go on to that next round (a joiner's new workers cannot
-    regroup yet and take the restart path; capable ones regroup again), so a node still
-    waiting for this round's readiness would only miss it: the round forms without it
-    after the last call. Both answers are the handler's cached ones, as the monitor's."""
-    return bool(store_call(handler.lost_nodes)) or store_call(handler.num_nodes_waiting) > 0
+    one, beyond the ``deferred`` ones the round left for it (``RendezvousInfo.deferred``:
+    they join the round after this one, while its kept workers train). Either makes every
+    member go on to that next round (a joiner's new workers cannot regroup yet and take
+    the restart path; capable ones regroup again), so a node still waiting for this
+    round's readiness would only miss it: the round forms without it after the last call.
+    Both answers are the handler's cached ones, as the monitor's."""
+    if store_call(handler.lost_nodes):
+        return True
+    return store_call(handler.num_nodes_waiting) > deferred
 
 
 def lost_a_peer(handler: RendezvousHandler, peers: Collection[str] | None) -> bool:

@@ -209,6 +209,10 @@ class RendezvousInfo:
     # of N nodes (``elastic status`` lists them).
     members: list[str] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)
+    # Nodes with workers still to start that the round left for the next one, so that
+    # workers kept through a loss train first (``set_workers_kept``): the nodes waiting
+    # for the next round right after this one formed.
+    deferred: int = 0
 
 
 @dataclass

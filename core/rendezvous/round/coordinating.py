@@ -161,6 +161,7 @@ class Coordinator:
             deputy_port=_port(chosen[1].get("presence")) if len(chosen) > 1 else 0,
             successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
             change=membership_change(prev_roster, roster),
+            deferred=len({rec["id"] for rec in joined}) - len({rec["id"] for rec in first}),
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",

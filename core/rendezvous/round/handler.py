@@ -208,6 +208,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             round=asg.round,
             node_id=self.node_id,
             change=asg.change,
+            deferred=asg.deferred,
         )
 
     def set_workers_kept(self, kept: bool, waiting: bool = False) -> None:

@@ -195,6 +195,8 @@ class Assignment:
     # standby stores, "host:port", in rank order.
     successors: list[str] = field(default_factory=list)
     change: MembershipChange | None = None  # since the job's last round; None: its first
+    # Joiners left for the next round so that kept workers train first (``kept_first``).
+    deferred: int = 0
 
     def rank_of(self, slot: int) -> int | None:
         """The node rank of whoever joined this round at ``slot``; None: not a member."""
@@ -225,7 +227,7 @@ class Assignment:
             runs_ok = isinstance(asg.ranks, list) and all(
                 isinstance(run, list) and _ints(run) for run in asg.ranks
             )
-            if not (runs_ok and _ints([asg.size]) and isinstance(asg.first, str)):
+            if not (runs_ok and _ints([asg.size, asg.deferred]) and isinstance(asg.first, str)):
                 raise TypeError
         except (TypeError, AttributeError):
             raise RendezvousStateError(
@@ -302,26 +304,24 @@ def rank_runs(slots: list[int]) -> list[list[int]]:
 
 
 def kept_first(records: list[dict[str, Any]], min_nodes: int) -> list[dict[str, Any]]:
-    """The join records a round is formed with (in arrival order): all of them, except
-    after a loss.
+    """The join records a round is formed with: all of them, except after a loss.
 
     Nodes whose workers are kept and wait (``kept``, ``waiting``: they regroup in place
     and their group lost a member) cannot train until this round gives them a new group.
-    A joiner with workers still to start (``import torch``, the model: seconds, and
-    longer for several at once on a busy host) would hold them for its start-up. So the
-    round is the kept nodes, and only as many of the others, the first to come, as
-    ``min_nodes`` needs; the rest join the next round as any joiner joins a running job,
-    while the kept workers train (their agents see them waiting). Kept workers whose group
-    is whole train on in it meanwhile anyway: then everyone forms one round."""
+    A joiner with workers still to start (``import torch``, the model: seconds) would
+    hold them for its start-up. So the round is the kept nodes alone when they are enough
+    for one (``min_nodes``); the others join the next round as any joiner joins a running
+    job, while the kept workers train (their agents see them waiting). Fewer kept nodes
+    than that wait for new workers either way, and kept workers whose group is whole
+    train on in it meanwhile anyway: then everyone forms one round."""
     kept: dict[str, dict[str, Any]] = {}
     for rec in records:
         if rec.get("kept") is True:
             kept.setdefault(rec["id"], rec)
-    if not any(rec.get("waiting") is True for rec in kept.values()):
+    waiting = any(rec.get("waiting") is True for rec in kept.values())
+    if not waiting or len(kept) < min_nodes:
         return records
-    others = [rec for rec in records if rec["id"] not in kept]
-    chosen = {rec["id"] for rec in others[: max(0, min_nodes - len(kept))]} | set(kept)
-    return [rec for rec in records if rec["id"] in chosen]
+    return [rec for rec in records if rec["id"] in kept]
 
 
 def choose_members(
