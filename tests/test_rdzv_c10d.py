@@ -775,51 +775,68 @@ def test_a_handler_that_cannot_be_made_closes_what_it_opened(port: int, fails_at
         server.close()
 
 
-@pytest.mark.parametrize("workers", ["kept-waiting", "kept-training", "restarted"])
-def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, workers: str) -> None:
-    """A member leaves while a newcomer joins. Survivors whose workers are kept and wait
-    for a new group (``set_workers_kept(True, waiting=True)``: their group lost the
-    member) form the round alone, so their workers train while the newcomer's start; the
-    newcomer waits for the next round, which the survivors see as a node waiting, and all
-    three form it. Survivors that restart their workers, or whose kept workers train on
-    in a whole group, take the newcomer into the same round."""
+@pytest.mark.parametrize("case", ["kept-waiting", "member-back-new", "plain-join", "restarted"])
+def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, case: str) -> None:
+    """After a loss, survivors whose workers are kept form the round alone, so their
+    workers train while new ones start elsewhere; the node with new workers waits for the
+    next round, which the survivors see as a node waiting (and which does not make their
+    own round superseded: ``deferred``), and all three form it. The loss is a member that
+    left while a newcomer joins, the survivors knowing their group lost it
+    (``kept-waiting``); or a member back with new workers (fenced, crashed), which they
+    may not know (``member-back-new``). A plain join (``plain-join``: the group whole)
+    and survivors that restart their workers anyway take everyone into one round."""
     handlers = [make(2, 4, last_call_timeout="1") for _ in range(3)]
-    check_round(rendezvous_all(handlers), 3)
+    infos = rendezvous_all(handlers)
+    check_round(infos, 3)
+    round_ = infos[0].round
     c = next(h for h in handlers if not h.is_hosting)  # the store stays where it is
     a, b = survivors = [h for h in handlers if h is not c]
-    newcomer = make(2, 4, last_call_timeout="1")
-    c.leave()
-    with ThreadPoolExecutor(3) as pool:
-        late = pool.submit(newcomer.next_rendezvous)
+    if case == "member-back-new":
+        late = c  # its workers were stopped: it rejoins with new ones
+        others = survivors
+    else:
+        late = make(2, 4, last_call_timeout="1")
+        others = survivors if case != "plain-join" else handlers
+        if case != "plain-join":
+            c.leave()
+    with ThreadPoolExecutor(4) as pool:
+        late.set_workers_kept(False)
+        joined = pool.submit(late.next_rendezvous)
         assert wait_until(lambda: a.num_nodes_waiting() > 0, 5)  # it took its slot
-        for h in survivors:
-            h.set_workers_kept(workers != "restarted", waiting=workers == "kept-waiting")
-        again = [f.result(timeout=10) for f in [pool.submit(h.next_rendezvous) for h in survivors]]
-        if workers != "kept-waiting":
-            check_round([*again, late.result(timeout=10)], 3)
+        for h in others:
+            h.set_workers_kept(case != "restarted", case == "kept-waiting", round_)
+        again = [f.result(timeout=10) for f in [pool.submit(h.next_rendezvous) for h in others]]
+        if case in ("plain-join", "restarted"):
+            check_round([*again, joined.result(timeout=10)], len(others) + 1)
             assert {i.deferred for i in again} == {0}
             return
         check_round(again, 2)
-        assert newcomer.node_id not in round_members(a, again[0])
+        assert late.node_id not in round_members(a, again[0])
         assert {i.deferred for i in again} == {1}  # its waiting supersedes nothing
-        assert not late.done()
+        assert not joined.done()
         assert wait_until(lambda: a.num_nodes_waiting() > 0, 5)  # the next round's joiner
-        for h in survivors:
-            h.set_workers_kept(True)  # their new group is whole: they train on in it
+        for h in survivors:  # their new group is whole: they train on in it
+            h.set_workers_kept(True, False, again[0].round)
         third = [pool.submit(h.next_rendezvous) for h in survivors]
-        check_round([*(f.result(timeout=10) for f in third), late.result(timeout=10)], 3)
+        check_round([*(f.result(timeout=10) for f in third), joined.result(timeout=10)], 3)
 
 
 def test_kept_first_leaves_new_workers_for_the_next_round_only_when_the_kept_suffice() -> None:
-    def rec(node: str, kept: bool = False, waiting: bool = False) -> dict[str, Any]:
-        return {"id": node, "addr": "a", "port": 1, "round": 3, "kept": kept, "waiting": waiting}
+    def rec(node: str, kept: bool = False, waiting: bool = False, at: int = 2) -> dict[str, Any]:
+        return {"id": node, "addr": "a", "port": 1, "round": 3, "kept": kept,
+                "waiting": waiting, "workers_round": at if kept else None}  # fmt: skip
 
-    new = [rec("n1"), rec("n2")]
+    new, back = rec("n1"), rec("m3")  # a newcomer; a member of round 2 with new workers
     waits = [rec("k1", kept=True, waiting=True), rec("k2", kept=True)]
-    assert [r["id"] for r in R.kept_first([new[0], *waits, new[1]], 2)] == ["k1", "k2"]
-    # fewer kept nodes than min_nodes wait for new workers anyway: everyone
-    assert R.kept_first([new[0], *waits, new[1]], 3) == [new[0], *waits, new[1]]
-    # nobody waits (a plain join), or nobody is kept (plain scripts): everyone
     trains = [rec("k1", kept=True), rec("k2", kept=True)]
-    assert R.kept_first([*trains, *new], 1) == [*trains, *new]
-    assert R.kept_first(new, 1) == new
+    members = ["k1", "k2", "m3"]
+    ids = lambda recs: [r["id"] for r in recs]  # noqa: E731
+    assert ids(R.kept_first([new, *waits], 2, 2, members)) == ["k1", "k2"]
+    assert ids(R.kept_first([back, *trains], 2, 2, members)) == ["k1", "k2"]
+    # fewer kept nodes than min_nodes wait for new workers anyway: everyone
+    assert R.kept_first([new, *waits], 3, 2, members) == [new, *waits]
+    # a plain join; kept workers of an older round (a second joiner); plain scripts
+    assert R.kept_first([*trains, new], 1, 2, members) == [*trains, new]
+    old = [rec("k1", kept=True, at=1), rec("k2", kept=True, at=1)]
+    assert R.kept_first([*old, back], 1, 2, members) == [*old, back]
+    assert R.kept_first([new, back], 1, 2, members) == [new, back]

@@ -68,7 +68,7 @@ class AgentBase:
 
     # --- the rooms' methods, as the others call them ------------------------------------
     def _rendezvous(  # loop
-        self, kept: bool = False, waiting: bool = False
+        self, kept: bool = False, waiting: bool = False, workers_round: int | None = None
     ) -> RendezvousInfo | RunResult:
         raise NotImplementedError
 

@@ -61,9 +61,11 @@ class InPlaceRegroup(AgentBase):
         self._hand_round_over(info)
         return info, False
 
-    def _next_round(self, kept: bool, waiting: bool = False) -> RendezvousInfo | RunResult | None:
+    def _next_round(
+        self, kept: bool, waiting: bool = False, workers_round: int | None = None
+    ) -> RendezvousInfo | RunResult | None:
         """The next round, or (its workers stopped) how the job ended meanwhile."""
-        info = self._rendezvous(kept, waiting)
+        info = self._rendezvous(kept, waiting, workers_round)
         if isinstance(info, RunResult) or self._calls(job_failed, info.store):
             self._stop(signal.SIGTERM, self._spec.shutdown_timeout)
             if isinstance(info, RunResult):
@@ -147,7 +149,7 @@ class InPlaceRegroup(AgentBase):
             return round_superseded(self._handler, deferred)
 
         while True:
-            info = self._next_round(kept=True, waiting=waiting)
+            info = self._next_round(kept=True, waiting=waiting, workers_round=coordinator.round)
             if not isinstance(info, RendezvousInfo):
                 return info
             # Until every node's workers can join, ours train on in the old group if

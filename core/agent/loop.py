@@ -201,13 +201,15 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
             if result is not None:
                 return result
 
-    def _rendezvous(self, kept: bool = False, waiting: bool = False) -> RendezvousInfo | RunResult:
+    def _rendezvous(
+        self, kept: bool = False, waiting: bool = False, workers_round: int | None = None
+    ) -> RendezvousInfo | RunResult:
         """This node's next round, or how the run ends when there is none. ``kept``: our
-        workers run on into it (they regroup in place); ``waiting``: their group lost a
-        member, they wait for this round's."""
+        workers, in round ``workers_round``, run on into it (they regroup in place);
+        ``waiting``: their group lost a member, they wait for this round's."""
         t0 = time.monotonic()
         try:
-            self._handler.set_workers_kept(kept, waiting)
+            self._handler.set_workers_kept(kept, waiting, workers_round)
             with self._guard.waiting():
                 info = self._handler.next_rendezvous()
         except RendezvousGracefulExitError as exc:

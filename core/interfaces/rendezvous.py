@@ -341,17 +341,21 @@ class RendezvousHandler(abc.ABC):
         """
         return None
 
-    def set_workers_kept(self, kept: bool, waiting: bool = False) -> None:
+    def set_workers_kept(
+        self, kept: bool, waiting: bool = False, workers_round: int | None = None
+    ) -> None:
         """What this node's next ``next_rendezvous`` brings: workers that keep running
-        through the change (``kept``: they regroup in place) or workers still to start;
-        ``waiting``: kept workers whose group lost a member, so they cannot train until
-        the new round gives them one.
+        through the change (``kept``: they regroup in place, in ``workers_round``, the
+        round they took last) or workers still to start; ``waiting``: kept workers whose
+        group lost a member, so they cannot train until the new round gives them one.
 
-        Such waiting workers train again as soon as they have a group, while a node with
-        workers still to start (a replacement, a node that was fenced, one whose worker
-        crashed) takes seconds: a backend may form the round with the kept nodes first
-        and take the others in the next one, as it takes any joiner, while the kept
-        workers train. Backends that cannot do nothing."""
+        Such workers train again as soon as they have a group, while a node with workers
+        still to start (a replacement, a node that was fenced, one whose worker crashed)
+        takes seconds: a backend may form the round with the kept nodes first and take
+        the others in the next one, as it takes any joiner, while the kept workers train.
+        A member of the kept workers' round that comes back with workers to start tells
+        it their group is broken too, whether or not they noticed (a fenced peer's
+        workers, cut off, close no connection). Backends that cannot do nothing."""
         return None
 
     def watch_keys(self, keys: Sequence[str]) -> Callable[[], list[bytes] | None] | None:

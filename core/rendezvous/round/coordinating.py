@@ -128,7 +128,8 @@ class Coordinator:
     ) -> R.Assignment:
         """Choose round ``rnd``'s members among ``joined`` and publish the formed round."""
         prev_members = prev_roster.members if prev_roster is not None else []
-        first = R.kept_first(joined, self.s.min_nodes)
+        prev_round = prev_roster.round if prev_roster is not None else -1
+        first = R.kept_first(joined, self.s.min_nodes, prev_round, prev_members)
         if len(first) < len(joined):
             log.info(
                 "round %d: formed with the %d node(s) whose workers are kept; %d with "

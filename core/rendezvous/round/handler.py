@@ -104,6 +104,7 @@ class RoundRendezvousHandler(RendezvousHandler):
             # whether we join with workers that run on, and wait (``set_workers_kept``)
             "kept": False,
             "waiting": False,
+            "workers_round": None,
         }
         self.protocol = RoundProtocol(
             self.rdzv_store,
@@ -211,10 +212,16 @@ class RoundRendezvousHandler(RendezvousHandler):
             deferred=asg.deferred,
         )
 
-    def set_workers_kept(self, kept: bool, waiting: bool = False) -> None:
+    def set_workers_kept(
+        self, kept: bool, waiting: bool = False, workers_round: int | None = None
+    ) -> None:
         # Read by the round's coordinator from our next join record
         # (``records.kept_first``).
-        self.protocol.node.update(kept=kept, waiting=kept and waiting)
+        self.protocol.node.update(
+            kept=kept,
+            waiting=kept and waiting,
+            workers_round=workers_round if kept else None,
+        )
 
     def is_closed(self) -> bool:
         if self._monitor is not None and self._monitor.in_round and not self._shut:

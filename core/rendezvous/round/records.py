@@ -303,25 +303,34 @@ def rank_runs(slots: list[int]) -> list[list[int]]:
     return runs
 
 
-def kept_first(records: list[dict[str, Any]], min_nodes: int) -> list[dict[str, Any]]:
+def kept_first(
+    records: list[dict[str, Any]], min_nodes: int, prev_round: int, prev_members: list[str]
+) -> list[dict[str, Any]]:
     """The join records a round is formed with: all of them, except after a loss.
 
-    Nodes whose workers are kept and wait (``kept``, ``waiting``: they regroup in place
-    and their group lost a member) cannot train until this round gives them a new group.
-    A joiner with workers still to start (``import torch``, the model: seconds) would
-    hold them for its start-up. So the round is the kept nodes alone when they are enough
-    for one (``min_nodes``); the others join the next round as any joiner joins a running
-    job, while the kept workers train (their agents see them waiting). Fewer kept nodes
-    than that wait for new workers either way, and kept workers whose group is whole
-    train on in it meanwhile anyway: then everyone forms one round."""
+    Kept workers (``kept``: their nodes regroup in place) whose group is broken cannot
+    train until this round gives them a new one: they say so (``waiting``: it lost a
+    member), or a member of their round (``workers_round``, the last one, ``prev_round``)
+    comes back with workers to start, its old ones gone (fenced while cut off, crashed),
+    which a kept worker blocked in a collective with them may not have noticed. A joiner
+    with workers still to start (``import torch``, the model: seconds) would hold them
+    for its start-up. So the round is the kept nodes alone when they are enough for one
+    (``min_nodes``); the others join the next round as any joiner joins a running job,
+    while the kept workers train (their agents see them waiting). Fewer kept nodes than
+    that wait for new workers either way, and kept workers whose group is whole train on
+    in it meanwhile: then everyone forms one round."""
     kept: dict[str, dict[str, Any]] = {}
     for rec in records:
         if rec.get("kept") is True:
             kept.setdefault(rec["id"], rec)
-    waiting = any(rec.get("waiting") is True for rec in kept.values())
-    if not waiting or len(kept) < min_nodes:
+    if len(kept) < min_nodes or all(rec["id"] in kept for rec in records):
         return records
-    return [rec for rec in records if rec["id"] in kept]
+    members = set(prev_members)
+    broken = any(rec.get("waiting") is True for rec in kept.values()) or (
+        any(rec.get("workers_round") == prev_round for rec in kept.values())
+        and any(rec["id"] in members for rec in records if rec["id"] not in kept)
+    )
+    return [rec for rec in records if rec["id"] in kept] if broken else records
 
 
 def choose_members(
