@@ -137,11 +137,12 @@ class InPlaceRegroup(AgentBase):
     ) -> tuple[RendezvousInfo, bool] | RunResult | None:
         assert self._coordinator is not None
         control = self._coordinator.control
-        if outcome is not Outcome.MEMBERSHIP:  # the old group lost a member: stop now
+        lost = outcome is not Outcome.MEMBERSHIP
+        if lost:  # the old group lost a member: stop now
             control.request_regroup(lost=True)
         # Our workers cannot train until the new round: their group lost a member, or
         # broke under them (a peer's workers died: fenced, crashed) before anyone was lost.
-        waiting = outcome is not Outcome.MEMBERSHIP or control.broken()
+        waiting = lost or control.broken()
         coordinator = self._coordinator
 
         def superseded(deferred: int) -> bool:  # asked every poll while a round gets ready

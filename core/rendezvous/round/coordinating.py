@@ -130,10 +130,11 @@ class Coordinator:
         prev_members = prev_roster.members if prev_roster is not None else []
         prev_round = prev_roster.round if prev_roster is not None else -1
         first = R.kept_first(joined, self.s.min_nodes, prev_round, prev_members)
-        if len(first) < len(joined):
+        deferred = len({rec["id"] for rec in joined}) - len({rec["id"] for rec in first})
+        if deferred:
             log.info(
                 "round %d: formed with the %d node(s) whose workers are kept; %d with "
-                "workers to start join the next round", rnd, len(first), len(joined) - len(first)
+                "workers to start join the next round", rnd, len(first), deferred
             )  # fmt: skip
         chosen = R.choose_members(first, prev_members, self.s.max_nodes)
         roster = R.Roster(
@@ -162,7 +163,7 @@ class Coordinator:
             deputy_port=_port(chosen[1].get("presence")) if len(chosen) > 1 else 0,
             successors=[s for s in roster.standbys if s][: R.SUCCESSORS],
             change=membership_change(prev_roster, roster),
-            deferred=len({rec["id"] for rec in joined}) - len({rec["id"] for rec in first}),
+            deferred=deferred,
         )
         log.info(
             "round %d of run %r formed: %d node(s), master %s:%d",
