@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from elastic.core.agent.regroup import left_out_a_peer
 from elastic.core.agent.restarts import claim_restart
 from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
@@ -791,6 +792,8 @@ def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, case: str)
     round_ = infos[0].round
     c = next(h for h in handlers if not h.is_hosting)  # the store stays where it is
     a, b = survivors = [h for h in handlers if h is not c]
+    a_peers = a.round_peers()  # the other members of a's workers' group
+    assert a_peers is not None and c.node_id in a_peers
     if case == "member-back-new":
         late = c  # its workers were stopped: it rejoins with new ones
         others = survivors
@@ -806,6 +809,11 @@ def test_after_a_loss_the_kept_members_form_a_round_first(make: Make, case: str)
         for h in others:
             h.set_workers_kept(case != "restarted", case == "kept-waiting", round_)
         again = [f.result(timeout=10) for f in [pool.submit(h.next_rendezvous) for h in others]]
+        # a's workers are told their group is broken at once only when the round left
+        # one of its members for the next one (``left_out_a_peer``)
+        a_info = again[others.index(a)]
+        left_out = left_out_a_peer(a, a_info.deferred, a_peers)
+        assert left_out is (case not in ("plain-join", "restarted"))
         if case in ("plain-join", "restarted"):
             check_round([*again, joined.result(timeout=10)], len(others) + 1)
             assert {i.deferred for i in again} == {0}

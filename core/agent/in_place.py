@@ -29,6 +29,7 @@ from elastic.core.agent.regroup import (
     finished,
     finished_untaken,
     hand_over,
+    left_out_a_peer,
     lost_a_peer,
     patience,
     replaced_in,
@@ -153,6 +154,9 @@ class InPlaceRegroup(AgentBase):
             info = self._next_round(kept=True, waiting=waiting, workers_round=coordinator.round)
             if not isinstance(info, RendezvousInfo):
                 return info
+            if not waiting and left_out_a_peer(self._handler, info.deferred, peers):
+                control.request_regroup(lost=True)
+                waiting = True
             # Until every node's workers can join, ours train on in the old group if
             # they can; a round that lost a member meanwhile is skipped for the next.
             if wait_ready(

@@ -140,6 +140,20 @@ def lost_a_peer(handler: RendezvousHandler, peers: Collection[str] | None) -> bo
     return not set(store_call(handler.lost_nodes)).isdisjoint(peers)
 
 
+def left_out_a_peer(
+    handler: RendezvousHandler, deferred: int, peers: Collection[str] | None
+) -> bool:
+    """Whether the round just formed left for the next one (``deferred``) a member of our
+    workers' group (``peers``): a node back with new workers, its old ones gone. The
+    kept nodes train without it from this round on, and their group's waits with it (a
+    collective with a peer whose cable was cut, whose connections never close) cannot
+    end, so they are told to give them up at once, not after the sever bound."""
+    if not deferred or not peers:
+        return False
+    members = store_call(handler.round_peers)
+    return members is not None and not set(peers) <= set(members)
+
+
 def wait_ready(
     store: Store,
     round_: int,
