@@ -1,20 +1,18 @@
 """Entry-point metadata: what is installed in the ``elastic.*`` groups, read without
 importing anything, and the record of what happened when one was loaded.
 
-Reading metadata is cheap (~60 ms for every installed distribution); importing a plugin
-is not, so discovery and loading are separate steps. ``importlib.metadata`` already
-lists each distribution once however often it appears on ``sys.path``, so two entry
-points with one name in one group always come from two distributions: a conflict.
+Reading metadata is cheap (and kept between starts: ``installed``); importing a plugin
+is not, so discovery and loading are separate steps. ``importlib.metadata`` lists each
+distribution once however often it appears on ``sys.path``, so two entry points with one
+name in one group always come from two distributions: a conflict.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
-import os
-import sys
 from dataclasses import dataclass, field
 
-GROUPS = ("elastic.rendezvous", "elastic.plugins", "elastic.metrics", "elastic.checkpoint")
+from elastic.core.plugin.installed import GROUPS, InstalledEntryPoint, installed
+
 HOOK_GROUP = "elastic.plugins"
 
 
@@ -40,51 +38,15 @@ class PluginRecord:
         self.status, self.error = "error", message
 
 
-# (sys.path, each entry's mtime) as they were at the scan -> GROUPS' entry points
-_scanned: dict[tuple[tuple[str, int], ...], dict[str, md.EntryPoints]] = {}
-
-
-def _mtime(path: str) -> int:
-    try:
-        return os.stat(path or ".").st_mtime_ns
-    except OSError:
-        return -1
-
-
-def _installed(group: str) -> md.EntryPoints:
-    """A group's entry points. A scan reads every distribution's metadata (~12 ms here)
-    and an agent asks for several groups, so one scan serves all of GROUPS while
-    ``sys.path`` and its folders stay as they were (installing a distribution into a
-    folder changes that folder's mtime)."""
-    if group not in GROUPS:
-        return md.entry_points(group=group)
-    key = tuple((p, _mtime(p)) for p in sys.path)
-    groups = _scanned.get(key)
-    if groups is None:
-        everything = md.entry_points()
-        groups = {g: everything.select(group=g) for g in GROUPS}
-        _scanned.clear()
-        _scanned[key] = groups
-    return groups[group]
-
-
-def entry_points(group: str, name: str | None = None) -> list[md.EntryPoint]:
+def entry_points(group: str, name: str | None = None) -> list[InstalledEntryPoint]:
     """The group's entry points (only those called ``name`` if given), sorted by name."""
-    found = _installed(group)
-    if name is not None:
-        found = found.select(name=name)
-    return sorted(found, key=lambda ep: (ep.name, ep.value))
+    found = installed().groups[group]
+    return [ep for ep in found if name is None or ep.name == name]
 
 
-def describe(ep: md.EntryPoint, group: str) -> PluginRecord:
-    # One parse of the distribution's METADATA (``dist.version`` would parse it again).
-    meta = ep.dist.metadata if ep.dist is not None else None
+def describe(ep: InstalledEntryPoint, group: str) -> PluginRecord:
     return PluginRecord(
-        group=group,
-        name=ep.name,
-        target=ep.value,
-        distribution=meta["Name"] if meta is not None else "?",
-        version=meta["Version"] if meta is not None else "?",
+        group=group, name=ep.name, target=ep.value, distribution=ep.distribution, version=ep.version
     )
 
 

@@ -20,13 +20,13 @@ object's ``__qualname__``, not who installed it; an unknown name (``NoMatches``)
 known names. What this loader adds is what ``elastic plugins list`` and our errors need:
 the name and version of every distribution in a conflict, read from metadata with
 none imported; a record of each plugin that failed to load, with its exception; the
-known names in the error for an unknown one. It reads ``importlib.metadata`` itself for
-that, after which the one thing left is ``ep.load()``, and serves all three groups.
+known names in the error for an unknown one. It reads the metadata itself for that
+(``installed``), after which the one thing left is ``ep.load()``, and serves all three
+groups.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import threading
 from typing import Generic, TypeVar
 
@@ -38,6 +38,7 @@ from elastic.core.plugin.entry_points import (
     format_exception,
 )
 from elastic.core.plugin.extras import MissingExtraError
+from elastic.core.plugin.installed import InstalledEntryPoint
 
 T = TypeVar("T")
 
@@ -121,7 +122,7 @@ class NamedPluginGroup(Generic[T]):
         self._loads[name] = record
         return obj
 
-    def _entry_point(self, name: str) -> md.EntryPoint | None:
+    def _entry_point(self, name: str) -> InstalledEntryPoint | None:
         """The one installed entry point for ``name``; None when registered in-process."""
         if name in self._registered:
             return None

@@ -8,9 +8,10 @@ refused at the door instead of failing minutes later inside a collective.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata as md
 import sys
 from collections.abc import Iterable, Mapping
+
+from elastic.core.plugin import installed
 
 VERSION_FIELDS = ("elastic", "torch", "python")  # what `elastic status` shows per member
 FIELDS = (
@@ -26,10 +27,7 @@ FIELDS = (
 
 def installed_version(distribution: str) -> str:
     """A distribution's version from its metadata: no import, so no torch import cost."""
-    try:
-        return md.version(distribution)
-    except md.PackageNotFoundError:
-        return "not installed"
+    return installed.version(distribution) or "not installed"
 
 
 def file_sha256(path: str) -> str:
