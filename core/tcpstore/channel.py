@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStoreGoneError
 from elastic.core.tcpstore import wire
+from elastic.core.tcpstore.dial import dial
 
 T = TypeVar("T")
 
@@ -72,7 +73,7 @@ class Channel:
         self._closed, self._dead = False, None
         self._rbuf.clear()
         try:
-            self._sock = socket.create_connection((self.host, self.port), timeout=limit)
+            self._sock = dial(self.host, self.port, limit)
         except OSError as exc:
             raise self._connection_error(exc, "cannot connect", limit) from None
         try:

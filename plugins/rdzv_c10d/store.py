@@ -17,6 +17,7 @@ from typing import TypeVar
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousConnectionError
 from elastic.core.rendezvous import net
 from elastic.core.tcpstore import TCPStoreServer
+from elastic.core.tcpstore.dial import dial
 from elastic.core.tcpstore.view import Connection
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def probe(host: str, port: int, timeout: float = 3.0) -> None:
     """Fail at once when nothing listens: for readers (``elastic status``), which never
     wait for a host to appear."""
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        dial(host, port, timeout).close()
     except OSError as exc:
         raise RendezvousConnectionError(
             f"cannot reach the rendezvous store at {host}:{port}: {exc.strerror or exc}"

@@ -31,6 +31,7 @@ from typing import Any
 from elastic.core.interfaces.rendezvous import RendezvousConnectionError, RendezvousStateError
 from elastic.core.interfaces.store import Store, StoreTimeoutError
 from elastic.core.tcpstore import TCPStoreServer
+from elastic.core.tcpstore.dial import dial
 from elastic.core.tcpstore.view import Connection, PrefixStore
 
 # The store layout, every key under "<run_id>/" (see the module).
@@ -109,7 +110,7 @@ def _wait_reachable(addr: str, port: int, limit: float) -> None:
         if remaining <= 0:
             break
         try:
-            with socket.create_connection((addr, port), timeout=min(remaining, 2.0)):
+            with dial(addr, port, min(remaining, 2.0)):
                 return
         except socket.gaierror as exc:
             raise RendezvousConnectionError(

@@ -23,6 +23,7 @@ from elastic.core.rendezvous.round.presence import (
     beat_line,
     beat_value,
 )
+from elastic.core.tcpstore.dial import dial
 
 
 class PresenceClient:
@@ -81,7 +82,7 @@ class PresenceClient:
         listens there)."""
         self._refused = False
         try:
-            sock = socket.create_connection(self._target, timeout=HELLO_WAIT)
+            sock = dial(*self._target, HELLO_WAIT)
         except ConnectionRefusedError:
             self._refused = True
             return None
