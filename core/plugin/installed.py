@@ -8,7 +8,7 @@ scan of every distribution, torch's METADATA parsed whole. That is a tenth of an
 start, paid by each of the hundreds of agents a large job starts at once. So the answers
 are kept in one small JSON file per interpreter under the user's cache folder
 (``$XDG_CACHE_HOME/elastic``, else ``~/.cache/elastic``), good while its key holds: the
-interpreter, ``sys.path``, and in each of its folders every ``*.dist-info`` and
+interpreter, and in each ``sys.path`` folder that has any, every ``*.dist-info`` and
 ``*.egg-info`` with its mtime and its ``entry_points.txt``'s (installing, removing or editing a
 distribution changes one of them; stevedore keys its cache much the same way). A file
 that is missing, too large, unreadable, for another key or malformed is read again from
@@ -111,9 +111,11 @@ def _mtime(path: str) -> int:
 
 
 def _key() -> list[Any]:
-    """The interpreter, ``sys.path``, and the distributions in each of its folders with
-    their mtimes (not the folder's own: the script's folder or the working directory,
-    on ``sys.path`` too, change with every file a job writes); a zip, its mtime."""
+    """The interpreter, and the distributions in each ``sys.path`` folder, in order,
+    with their mtimes; a zip, its mtime. Not the folders' own mtimes, nor the folders
+    without any distribution: the script's folder and the working directory are on
+    ``sys.path`` too, and change with every file a job writes and every place it is
+    started from."""
     folders: list[Any] = []
     for entry in sys.path:
         dists: list[Any] = []
@@ -127,7 +129,8 @@ def _key() -> list[Any]:
             dists.append(_mtime(entry))
         except OSError:
             pass
-        folders.append([entry, sorted(dists)])
+        if dists:  # a folder without any says nothing (the script's, the working one)
+            folders.append([entry, sorted(dists)])
     return [_FORMAT, sys.executable, sys.version, folders]
 
 
