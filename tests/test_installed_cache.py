@@ -29,17 +29,16 @@ print(json.dumps({
 """
 
 
-def start(cache: Path, *path: Path, cwd: Path | None = None) -> dict[str, object]:
+def start(cache: Path, *path: Path, script_in: Path | None = None) -> dict[str, object]:
+    """One start; ``script_in``: run the probe as a script in that folder, which puts the
+    folder first on ``sys.path`` (as ``elastic run`` does its console script's)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, path), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=cwd,
-    )
+    argv = [sys.executable, "-c", PROBE]
+    if script_in is not None:
+        (script_in / "probe.py").write_text(PROBE)
+        argv = [sys.executable, str(script_in / "probe.py")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -61,15 +60,17 @@ def test_a_start_after_the_first_reads_no_metadata_and_sees_the_same(tmp_path: P
     assert again["torch"] == md.version("torch")
 
 
-def test_starts_from_other_working_directories_share_the_file(tmp_path: Path) -> None:
-    """The working directory is on ``sys.path`` (``-c``, ``-m``) and changes with every
-    file a job writes: a folder without distributions is not part of the key."""
+def test_starts_from_other_folders_share_the_file(tmp_path: Path) -> None:
+    """The script's folder (or the working directory, for ``-m``) is first on
+    ``sys.path`` and changes with every file a job writes there: a folder without
+    distributions is not part of the key."""
     here, there = tmp_path / "here", tmp_path / "there"
-    here.mkdir(), there.mkdir()
-    assert start(tmp_path / "cache", cwd=here)["read_metadata"] is True
+    here.mkdir()
+    there.mkdir()
+    assert start(tmp_path / "cache", script_in=here)["read_metadata"] is True
     (here / "train.log").write_text("a job writes here\n")
-    assert start(tmp_path / "cache", cwd=here)["read_metadata"] is False
-    assert start(tmp_path / "cache", cwd=there)["read_metadata"] is False
+    assert start(tmp_path / "cache", script_in=here)["read_metadata"] is False
+    assert start(tmp_path / "cache", script_in=there)["read_metadata"] is False
 
 
 def test_a_distribution_installed_or_edited_after_the_file_was_written_is_seen(
