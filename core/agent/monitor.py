@@ -59,6 +59,7 @@ def watch_attempt(
                 if verdict.failed:
                     return AttemptEnd(Outcome.FAILED, dict(verdict.failed))
                 return AttemptEnd(Outcome.PEER_FAILED)
+            job.refresh()
             if job.error is not None:
                 raise RendezvousConnectionError(str(job.error))
             if job.failed:
