@@ -100,6 +100,11 @@ class Coordinator:
         A read of shared memory, free to ask every monitor interval."""
         return self.control.all_saved(self.number)
 
+    @property
+    def counted(self) -> bool:
+        """This node's save is counted: only then can the round's save be complete."""
+        return self._counted
+
     def complete(self, world_size: int) -> bool:
         """Every node of the round has saved."""
         return self._counted and int(self.store.add(saved_key(self.round), 0)) >= world_size

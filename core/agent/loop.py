@@ -261,8 +261,8 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                     check_plugins=self._check_plugins,
                     relay_checkpoint=functools.partial(self._calls, coordinator.relay),
                     # its counts go to the store: bounded like every call on a decision path
-                    regroup_wanted=functools.partial(
-                        self._calls, RoundWatch(coordinator, info.world_size, counted=counted)
+                    regroup_wanted=RoundWatch(
+                        coordinator, info.world_size, counted=counted, calls=self._calls
                     ),
                     checkpoint_saved=coordinator.saved_here,
                 )

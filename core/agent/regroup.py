@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.outcome import Outcome
@@ -97,23 +98,41 @@ class RoundWatch:
     published (the round waits for it by itself). Ready: this node's new workers are about
     to join the round's group (``READY_KEY``); nodes that kept theirs wait for that."""
 
-    def __init__(self, coordinator: Coordinator, world_size: int, *, counted: bool) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        world_size: int,
+        *,
+        counted: bool,
+        calls: Callable[..., Any] = store_call,
+    ) -> None:
         self._coordinator = coordinator
         self._world_size = world_size
         self._counted = counted
+        # The agent's bounded calls (``BoundedCalls``: a thread each) for the store
+        # calls; most intervals make none (the control file is shared memory).
+        self._calls = calls
 
     def __call__(self) -> bool:
         coordinator = self._coordinator
         control = coordinator.control
         if not self._counted and control.all_ready():
-            store_call(coordinator.store.add, READY_KEY.format(coordinator.round), 1)
-            # Ready is said by elastic.init_process_group alone, which takes a round
-            # handed over while the worker started: the job's workers can be handed one.
-            store_call(coordinator.store.set, LATE_ROUNDS_KEY, "1")
+            self._calls(_count_ready, coordinator)
             self._counted = True
         if control.broken():
             return True
-        return control.all_capable() and store_call(coordinator.complete, self._world_size)
+        return (
+            control.all_capable()
+            and coordinator.counted  # no save counted here: no store call to make
+            and self._calls(coordinator.complete, self._world_size)
+        )
+
+
+def _count_ready(coordinator: Coordinator) -> None:
+    store_call(coordinator.store.add, READY_KEY.format(coordinator.round), 1)
+    # Ready is said by elastic.init_process_group alone, which takes a round handed over
+    # while the worker started: the job's workers can be handed one.
+    store_call(coordinator.store.set, LATE_ROUNDS_KEY, "1")
 
 
 def round_superseded(handler: RendezvousHandler, deferred: int = 0) -> bool:
