@@ -105,8 +105,9 @@ def test_a_distribution_installed_or_edited_after_the_file_was_written_is_seen(
         b"[]",
         b" " * (2 << 20),
         "forged",
+        "forged-string",
     ],
-    ids=["malformed", "another-key", "not-an-object", "oversized", "forged-rows"],
+    ids=["malformed", "another-key", "not-an-object", "oversized", "forged-rows", "forged-string"],
 )
 def test_a_bad_cache_file_is_read_again_from_metadata_and_rewritten(
     tmp_path: Path, content: bytes | str
@@ -117,6 +118,10 @@ def test_a_bad_cache_file_is_read_again_from_metadata_and_rewritten(
     if content == "forged":  # this key's file, with a row that is not four strings
         data = json.loads(path.read_text())
         data["groups"]["elastic.rendezvous"][0] = [1, {"x": 2}]
+        path.write_text(json.dumps(data))
+    elif content == "forged-string":  # a row that unpacks into four strings
+        data = json.loads(path.read_text())
+        data["groups"]["elastic.rendezvous"][0] = "abcd"
         path.write_text(json.dumps(data))
     else:
         path.write_bytes(content)  # type: ignore[arg-type]

@@ -161,9 +161,9 @@ def _load(key: list[Any]) -> Installed | None:
 
 
 def _entry(group: str, row: Any) -> InstalledEntryPoint:
-    name, value, distribution, version_ = row  # ValueError/TypeError when malformed
-    if not all(isinstance(v, str) for v in row):
-        raise TypeError("not a string")
+    if not isinstance(row, list) or len(row) != 4 or not all(isinstance(v, str) for v in row):
+        raise TypeError(f"not an entry point: {row!r:.80}")
+    name, value, distribution, version_ = row
     return InstalledEntryPoint(name, value, group, distribution, version_)
 
 
