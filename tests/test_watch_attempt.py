@@ -26,6 +26,9 @@ class Job:
         self.failed = self.peer_failed = self.finished = False
         self.checkpoint_requested = checkpoint_requested
 
+    def refresh(self) -> None:
+        pass  # nothing cached to take
+
     def stop(self) -> None:
         pass
 
