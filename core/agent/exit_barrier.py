@@ -52,12 +52,13 @@ def exit_barrier(
     keys = [f"{key}/done", FAILED_KEY, BUDGET_KEY, key]
     deadline = time.monotonic() + timeout
     counted = False
+    wait = 0.0  # the first read goes out at once
     while time.monotonic() < deadline:
         try:
             if not counted:
                 call(store.add, key, 1)
                 counted = True
-            done, failed, budget, arrived = call(store.multi_get, keys)
+            done, failed, budget, arrived = call(_read_once_done, store, keys, wait)
         except (RendezvousFencedError, RendezvousStoreMovedError):
             time.sleep(0.1)  # cut off for now, or moved: the store may answer again
             continue
@@ -76,18 +77,19 @@ def exit_barrier(
             with contextlib.suppress(RendezvousFencedError, RendezvousStoreMovedError):
                 call(store.set, f"{key}/done", "1")
             return BarrierEnd.DONE
-        with contextlib.suppress(RendezvousFencedError, RendezvousStoreMovedError):
-            call(_until_done, store, f"{key}/done", min(POLL, deadline - time.monotonic()))
+        wait = min(POLL, deadline - time.monotonic())
     return BarrierEnd.TIMED_OUT
 
 
-def _until_done(store: Store, done_key: str, seconds: float) -> None:
-    """Wait in the store for the last arrival's "done", ``seconds`` at most: a job whose
-    members finish together leaves together, not up to a poll later each (a sleep here
-    held every node but the last one ~0.05 s longer, and the store's host after them)."""
+def _read_once_done(store: Store, keys: list[str], seconds: float) -> list[bytes]:
+    """The barrier's ``keys``, read once the last arrival's "done" (``keys[0]``) is set
+    or ``seconds`` passed, in one bounded call: a job whose members finish together
+    leaves together, not up to a poll later each (a sleep between reads held every node
+    but the last one ~0.05 s longer, and the store's host after them)."""
     if seconds > 0:
         with contextlib.suppress(StoreTimeoutError):
-            store.wait([done_key], timedelta(seconds=seconds))
+            store.wait([keys[0]], timedelta(seconds=seconds))
+    return store.multi_get(keys)
 
 
 def _count(raw: bytes) -> int:
