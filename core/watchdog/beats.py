@@ -156,12 +156,19 @@ class WorkerProgress:
         if usage is None:
             return
         busy = usage[0] + usage[1]  # ran, or wanted to run (a loaded machine)
-        base, window = self._cpu_base, mono - self._cpu_at
+        base, since = self._cpu_base, self._cpu_at
         self._cpu_base, self._cpu_at, self.cpu = busy, mono, usage[0]
         if base is None or self.beats:
             return  # heartbeats, once seen, are the only judge of this worker
-        if busy - base >= CPU_BUSY * window:
-            self.note("cpu", mono)
+        ran = busy - base
+        if ran >= CPU_BUSY * (mono - since):
+            # Dated at the earliest moment the sample allows: all of it may have run at the
+            # window's start. An agent starved for seconds then takes one late sample whose
+            # window holds the last work before a hang; dated at the sample, that work
+            # would push the hang's detection back by the whole delay. A tree still busy
+            # shows it again in the next sample, CPU_SAMPLE s later.
+            dated = min(mono, since + ran)
+            self.note("cpu", dated, time.time() - (mono - dated))
 
     def idle(self, mono: float) -> float:
         """Seconds since the latest progress."""
