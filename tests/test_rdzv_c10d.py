@@ -347,6 +347,23 @@ def test_shutdown_after_the_job_closed_is_not_a_lost_node(make: Make) -> None:
     assert host.lost_nodes() == []
 
 
+@pytest.mark.parametrize("closer", ["watcher", "silent"])
+def test_a_member_silent_after_the_job_closed_is_not_lost(make: Make, closer: str) -> None:
+    """Once the job is closed (after the exit barrier, or failed), a member that stops
+    beating is ending: its "done" may come late on a loaded machine, and it is never lost.
+    The watcher knows it closed the job, or learns it from the store."""
+    handlers = [make(2) for _ in range(2)]
+    rendezvous_all(handlers)
+    watcher = next(h for h in handlers if h.is_hosting)  # rank 0 judges every member
+    silent = next(h for h in handlers if not h.is_hosting)
+    (watcher if closer == "watcher" else silent).set_closed()
+    assert wait_until(watcher.is_closed, 5)
+    time.sleep(0.5)  # the watcher's monitor has read the closed mark
+    silent._suspend_heartbeats()
+    time.sleep(3.0)  # twice heartbeat_timeout
+    assert watcher.lost_nodes() == []
+
+
 def test_shutdown_of_a_running_job_is_a_departure_seen_within_a_tick(make: Make) -> None:
     handlers = [make(2, 3) for _ in range(3)]
     infos = rendezvous_all(handlers)

@@ -234,6 +234,8 @@ class RoundRendezvousHandler(RendezvousHandler):
         if not self._known_closed() and not self.protocol.is_closed():
             self.protocol.set_closed()
         self._closed_here = True
+        if self._monitor is not None:
+            self._monitor.closed_here = True
 
     def _known_closed(self) -> bool:
         """The job is closed as far as this node already knows, without a store read:

@@ -252,6 +252,11 @@ class Liveness:
         with self._lock:
             self._watch_tracker = LivenessTracker(2 * self.timeout, self.interval)
 
+    def published(self) -> list[str]:
+        """The round's lost list as last read or written."""
+        with self._lock:
+            return list(self._published)
+
     def set_published(self, lost: list[str]) -> None:
         """The round's lost list as just read."""
         with self._lock:

@@ -94,6 +94,7 @@ class Monitor:
         # What the agent reads (cached, under _lock).
         self._error: Exception | None = None
         self.closed = False
+        self.closed_here = False  # this node closed the job (``closed`` is the store's word)
         self.waiting = 0
         self.lost: list[str] = []
         # Job-wide keys read on every tick for the agent (``watch_job``), and their values.
@@ -336,7 +337,13 @@ class Monitor:
             closed, waiting = self._read_facts(facts, read)
         # A foreign heartbeat value (None) is no news: never "left", never "vanished".
         beat_of = {m: b for m, b in zip(targets, beats, strict=True) if b is not None}
-        lost = self.liveness.members(asg, rank, beat_of, asked, answered)
+        if closed or self.closed_here:
+            # A closed job forms no round again, and every member's workers are done (it
+            # closes after the exit barrier, or when it failed): a member that stops
+            # beating now is ending, not lost, and its "done" may come a moment later.
+            lost = self.liveness.published()
+        else:
+            lost = self.liveness.members(asg, rank, beat_of, asked, answered)
         with self._lock:
             current = asg is self._round  # not replaced by a new round meanwhile
             # What the members connected to us must hear now, not on their next tick: the
