@@ -4,7 +4,7 @@ rooms on one line do not import each other. The order is held in ``pyproject.tom
 it is given its place there); ``tests/test_layers.py`` runs it::
 
     failures, plugin_options, hookspecs   the paths plugin authors were taught
-      launch      LaunchConfig, its views, launch(): from a configuration to a finished run
+      launch      LaunchConfig, its views, create_agent(): from a configuration to an agent
         agent       the node agent's loop, its endings, departure, preemption, job state
           watchdog    stalls, progress beats, stacks, the FileTimer server, the health port
           rendezvous  the backend registry, standalone, addresses, fingerprints, the round

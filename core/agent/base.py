@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.exit_code import JobEnd
@@ -34,7 +35,9 @@ from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.round.progress_lines import Say
 from elastic.core.workers.logs import LogLayout, LogTailer, WorkerLogs
 from elastic.core.workers.process import SignalGuard, WorkerProcess
-from elastic.core.workers.spare import SparePool
+
+if TYPE_CHECKING:  # imported only with --warm-restarts (loop)
+    from elastic.core.workers.spare import SparePool
 
 
 class AgentBase:

@@ -75,7 +75,6 @@ from elastic.core.workers.process import (
     SignalGuard,
     WorkerProcess,
 )
-from elastic.core.workers.spare import SparePool
 
 FAILED_CHECK_INTERVAL = 1.0  # seconds between reads of the job-wide flags (JobWatch)
 
@@ -133,7 +132,11 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
         self._fence = FenceGuard()
         self._handler.on_fenced(self._fence.fenced)
         # --warm-restarts: a restart's workers start in interpreters started ahead.
-        self._spares = SparePool() if spec.warm_restarts else None
+        self._spares = None
+        if spec.warm_restarts:  # its module only then: an agent's start is mostly imports
+            from elastic.core.workers.spare import SparePool
+
+            self._spares = SparePool()
 
     # --- public -------------------------------------------------------------------------
     def get_worker_group(self) -> WorkerGroup:

@@ -4,13 +4,16 @@ one process per worker with torchrun's variables and the plugins' additions."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from elastic.core.interfaces.rendezvous import RendezvousInfo
 from elastic.core.interfaces.spec import WorkerGroup
 from elastic.core.workers.env import assign_ranks, substitute_args, worker_vars
 from elastic.core.workers.logs import WorkerLogs
 from elastic.core.workers.process import WorkerProcess, start_worker
-from elastic.core.workers.spare import SparePool
+
+if TYPE_CHECKING:
+    from elastic.core.workers.spare import SparePool
 
 
 def place_group(group: WorkerGroup, info: RendezvousInfo, restarts: int) -> None:

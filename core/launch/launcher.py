@@ -1,5 +1,5 @@
-"""From a launch configuration to a finished run: pick the rendezvous, build the agent
-from the launch's views (``views``), run it. The programmatic twin of ``elastic run``."""
+"""From a launch configuration to an agent ready to run: pick the rendezvous, build the agent
+from the launch's views (``views``). What ``elastic run`` and ``elastic_launch`` both run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from elastic.core.interfaces.rendezvous import RendezvousHandler
-from elastic.core.interfaces.spec import RunResult
 from elastic.core.launch import views
 from elastic.core.launch.config import LaunchConfig
 
@@ -114,21 +113,6 @@ def create_agent(
         config=views.plugin_config(config, options, handler.get_run_id()),
         **views.agent_arguments(config),
     )
-
-
-def launch(
-    config: LaunchConfig,
-    entrypoint: str | Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    *,
-    plugin_host: PluginHost | None = None,
-    handler_factory: HandlerFactory | None = None,
-) -> RunResult:
-    """Rendezvous, run this node's workers to completion and return the result."""
-    agent = create_agent(
-        config, entrypoint, args, plugin_host=plugin_host, handler_factory=handler_factory
-    )
-    return agent.run()
 
 
 def python_exec() -> str:
