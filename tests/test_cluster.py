@@ -234,12 +234,23 @@ def test_kill_leaves_no_process_on_the_host_and_spares_others(cluster_factory: M
     a.popen(["setsid", "sleep", "600"])  # leaves the group kill would signal
     bystander = b.popen(["sleep", "600"])
     assert wait_until(lambda: len(a.processes()) >= 4, timeout=10), a.processes()
-    pids = a.processes()
+    started = {pid: start_time(pid) for pid in a.processes()}
 
     a.kill()
     assert a.processes() == []
-    assert not any(pid_alive(pid) for pid in pids)
+    # The same processes, not their numbers: the suite's other tests make threads and
+    # processes fast enough to take a freed number (pid_max can be 32768) at once.
+    assert not [p for p, t in started.items() if pid_alive(p) and start_time(p) == t]
     assert bystander.poll() is None
+
+
+def start_time(pid: int) -> str | None:
+    """When ``pid`` started (``/proc/<pid>/stat`` field 22), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[19]
+    except OSError:
+        return None
 
 
 @pytest.mark.timeout(30)
