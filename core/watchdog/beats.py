@@ -162,12 +162,13 @@ class WorkerProgress:
             return  # heartbeats, once seen, are the only judge of this worker
         ran = busy - base
         if ran >= CPU_BUSY * (mono - since):
-            # Dated at the earliest moment the sample allows: all of it may have run at the
-            # window's start. An agent starved for seconds then takes one late sample whose
-            # window holds the last work before a hang; dated at the sample, that work
-            # would push the hang's detection back by the whole delay. A tree still busy
-            # shows it again in the next sample, CPU_SAMPLE s later.
-            dated = min(mono, since + ran)
+            # A sample on time is dated when taken. A late one (the agent was starved for
+            # seconds) may hold the last work before a hang: dated at the sample, that work
+            # would push the hang's detection back by the whole delay, so it is dated
+            # where the work may have ended at the earliest (all of it at the window's
+            # start), never before one sample's length. A tree still busy shows it again
+            # in the next sample, CPU_SAMPLE s later.
+            dated = min(mono, since + max(ran, CPU_SAMPLE))
             self.note("cpu", dated, time.time() - (mono - dated))
 
     def idle(self, mono: float) -> float:
