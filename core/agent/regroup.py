@@ -104,13 +104,14 @@ class RoundWatch:
         world_size: int,
         *,
         counted: bool,
-        calls: Callable[..., Any] = store_call,
+        calls: Callable[..., Any],
     ) -> None:
         self._coordinator = coordinator
         self._world_size = world_size
         self._counted = counted
-        # The agent's bounded calls (``BoundedCalls``: a thread each) for the store
-        # calls; most intervals make none (the control file is shared memory).
+        # The agent's bounded calls (``BoundedCalls``: ``store_call`` on a thread each)
+        # for the store calls; most intervals make none (the control file is shared
+        # memory).
         self._calls = calls
 
     def __call__(self) -> bool:
@@ -129,10 +130,10 @@ class RoundWatch:
 
 
 def _count_ready(coordinator: Coordinator) -> None:
-    store_call(coordinator.store.add, READY_KEY.format(coordinator.round), 1)
+    coordinator.store.add(READY_KEY.format(coordinator.round), 1)
     # Ready is said by elastic.init_process_group alone, which takes a round handed over
     # while the worker started: the job's workers can be handed one.
-    store_call(coordinator.store.set, LATE_ROUNDS_KEY, "1")
+    coordinator.store.set(LATE_ROUNDS_KEY, "1")
 
 
 def round_superseded(handler: RendezvousHandler, deferred: int = 0) -> bool:
