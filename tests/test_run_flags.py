@@ -9,12 +9,16 @@ from pathlib import Path
 
 from elastic.harness.commands import run_elastic
 
+# The harness runs Python unbuffered, where print() writes each of its arguments with a
+# write call of its own; two workers sharing the console would then interleave inside a
+# record. One write per record keeps each record whole (a pipe writes it atomically).
 SHOW = """
-import os
-print("LR", os.environ["LOCAL_RANK"], "CVD", os.environ.get("CUDA_VISIBLE_DEVICES"),
-      "RANK", os.environ["RANK"], "WS", os.environ["WORLD_SIZE"], flush=True)
-print("loss=0.5 at step 1", flush=True)
-print("noise", flush=True)
+import os, sys
+env = os.environ
+sys.stdout.write(f"LR {env['LOCAL_RANK']} CVD {env.get('CUDA_VISIBLE_DEVICES')} "
+                 f"RANK {env['RANK']} WS {env['WORLD_SIZE']}\\n")
+sys.stdout.write("loss=0.5 at step 1\\n")
+sys.stdout.write("noise\\n")
 """
 
 
