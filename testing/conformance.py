@@ -304,6 +304,24 @@ class RendezvousConformance:
         assert refused.value.fields == {"torch": ("same", "other")}
         assert first.num_nodes_waiting() == 0  # the running job never saw the refused node
 
+    def test_a_closed_job_says_so_before_refusing_a_mismatch(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        job = {field: "same" for field in FINGERPRINT_FIELDS}
+        first = get_rendezvous_handler(replace(rdzv_target.params(run_id, 1, 2), fingerprint=job))
+        nodes.handlers.append(first)
+        first.next_rendezvous()
+        # Made before the close: a late node of this job, not a new job under its id.
+        other = get_rendezvous_handler(
+            replace(rdzv_target.params(run_id, 1, 2), fingerprint={**job, "torch": "other"})
+        )
+        nodes.handlers.append(other)
+        time.sleep(0.05)
+        first.set_closed()
+        # The job is over: that is what the late node is told, not how it differs.
+        with pytest.raises(RendezvousClosedError):
+            other.next_rendezvous()
+
     # -- the membership rules every dynamic backend shares -------------------------------
     def test_stable_ranks_when_the_same_nodes_regroup(self, nodes: Nodes, run_id: str) -> None:
         handlers = nodes.make(run_id, 3, 3, n=3)

@@ -46,6 +46,7 @@ STATIC_FIXED = frozenset(
         "test_run_id_isolation",  # one node 0 per port
         "test_closed_rendezvous",  # no late joiners: the node set is fixed
         "test_mismatched_fingerprint_is_refused",
+        "test_a_closed_job_says_so_before_refusing_a_mismatch",
         "test_stable_ranks_when_the_same_nodes_regroup",
         "test_regroup_after_a_departure_skips_the_last_call",
         "test_departure_is_not_completion",

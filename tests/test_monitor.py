@@ -166,17 +166,20 @@ def count_requests(monkeypatch: pytest.MonkeyPatch) -> dict[int, Counter[str]]:
 
 
 @pytest.fixture
-def c10d_job() -> Iterator[Callable[[str, int], list[Any]]]:
-    """``make(run_id, n)``: n fresh c10d handlers of one job (``min = max = n``), the first
-    hosting its store; all shut down after the test, the store's host last."""
+def c10d_job() -> Iterator[Callable[..., list[Any]]]:
+    """``make(run_id, n, fingerprint=None)``: n fresh c10d handlers of one job
+    (``min = max = n``), the first hosting its store; all shut down after the test, the
+    store's host last."""
     from elastic.core.interfaces.rendezvous import RendezvousParameters
     from elastic.plugins.rdzv_c10d import create_handler
     from elastic.testing.ports import free_port
 
     made: list[Any] = []
 
-    def make(run_id: str, n: int) -> list[Any]:
-        params = RendezvousParameters("c10d", f"{HOST}:{free_port()}", run_id, n, n)
+    def make(run_id: str, n: int, fingerprint: dict[str, str] | None = None) -> list[Any]:
+        params = RendezvousParameters(
+            "c10d", f"{HOST}:{free_port()}", run_id, n, n, fingerprint=fingerprint or {}
+        )
         for _ in range(n):
             made.append(create_handler(params))
         return made[-n:]
@@ -188,7 +191,7 @@ def c10d_job() -> Iterator[Callable[[str, int], list[Any]]]:
 
 @pytest.mark.timeout(120)
 def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
-    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[[str, int], list[Any]]
+    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[..., list[Any]]
 ) -> None:
     """Four fresh c10d handlers form a round: one slot, one join record and (but for the
     coordinator) one WAIT each, the coordinator's roster and its one keep-alive (it is
@@ -224,6 +227,48 @@ def test_a_fresh_node_sends_one_keep_alive_to_form_a_round(
     members = [k for h, k, info in zip(handlers, sent, infos, strict=True) if info.rank != 0]
     assert members == [1] * (n - 1), beats
     assert sent[[info.rank for info in infos].index(0)] in (1, 2), beats
+
+
+@pytest.mark.timeout(120)
+def test_a_fingerprint_is_checked_with_the_round_state_read(
+    monkeypatch: pytest.MonkeyPatch, c10d_job: Callable[..., list[Any]]
+) -> None:
+    """Every node's fingerprint is checked against the job's, read along with the
+    round's state: the first node offers its own (one COMPARE_SET), the others compare
+    what that read brought and add no request of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic.core.rendezvous.fingerprint import FIELDS
+
+    n = 4
+    handlers = c10d_job("fp-cost", n, {field: "same" for field in FIELDS})
+    fingerprint_requests: Counter[str] = Counter()
+    counts = count_requests(monkeypatch)
+    from elastic.core.tcpstore import server as server_module
+
+    handle = server_module.TCPStoreServer._handle
+
+    def naming_the_fingerprint(self: Any, conn: Any, req: Any) -> None:
+        named = any(k.endswith(R.FINGERPRINT.encode()) for k in (req.key, *req.keys))
+        if named and len(req.keys) != 1:  # a read of that key alone is the test's poll
+            fingerprint_requests[req.query.name] += 1
+        handle(self, conn, req)
+
+    monkeypatch.setattr(server_module.TCPStoreServer, "_handle", naming_the_fingerprint)
+    with ThreadPoolExecutor(n) as pool:
+        first = pool.submit(handlers[0].next_rendezvous)
+        # The others come once the first's fingerprint is the job's (else several may
+        # find none and each offer theirs, as racing nodes do).
+        deadline = time.monotonic() + 30
+        while not handlers[0].rdzv_store.multi_get([R.FINGERPRINT])[0]:
+            assert time.monotonic() < deadline, "the first node never offered its fingerprint"
+            time.sleep(0.01)
+        others = [pool.submit(h.next_rendezvous) for h in handlers[1:]]
+        infos = [first.result(60), *(f.result(60) for f in others)]
+    assert sorted(i.rank for i in infos) == list(range(n))
+    (job,) = [Counter(c) for c in counts.values() if c["ADD"]]
+    assert job["ADD"] == n  # no node was refused
+    assert fingerprint_requests == {"MULTI_GET": n, "COMPARE_SET": 1}, fingerprint_requests
 
 
 @pytest.mark.timeout(120)

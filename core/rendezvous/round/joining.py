@@ -69,16 +69,17 @@ class Joiner:
         # Slot 1's join record of a round, as read with the round's state (b"": not yet).
         self._first_slots: dict[int, bytes] = {}
 
-    def check_fingerprint(self) -> None:
+    def _admit(self, held: bytes) -> None:
         """The first joiner's fingerprint becomes the job's; a node that differs is
-        refused before it takes a slot, so the running job never sees it."""
-        mine = self.node.get("fp") or {}
-        if self.admitted or not mine:
-            return
-        desired = R.dumps(mine).encode()
-        held = bytes(self.store.compare_set(R.FINGERPRINT, "", desired))
+        refused before it takes a slot, so the running job never sees it. ``held``: the
+        job's fingerprint as read with the round's state (empty: none yet, ours is
+        offered)."""
+        desired = R.dumps(self.node["fp"]).encode()
+        if not held:
+            held = bytes(self.store.compare_set(R.FINGERPRINT, "", desired))
         if held != desired:
             job = R.loads(held, self.outcomes.full(R.FINGERPRINT))
+            mine = self.node["fp"]
             diffs = differences(job if isinstance(job, dict) else {}, mine, self.allow_mismatch)
             if diffs:
                 index = self.store.add(R.REFUSED_COUNT, 1)
@@ -90,19 +91,26 @@ class Joiner:
 
     def round_state(self) -> tuple[int, bytes, R.Assignment | None]:
         """(the current round, the round key as read, that round's outcome or None),
-        having raised if the job is closed: one read when the round is the newest this
-        node joined (or 0), which it is when a round forms or re-forms. The same read
-        takes the first join record of that round and the next (``_first_slots``): the
+        having raised if the job is closed, then if this node's fingerprint differs from
+        the job's (a closed job says so before refusing a mismatch): one read when the
+        round is the newest this node joined (or 0), which it is when a round forms or
+        re-forms. The same read takes the job's fingerprint until this node was admitted,
+        and the first join record of that round and the next (``_first_slots``): the
         round this node joins next is one of them, and its first slot is most often
         taken already, so a joiner learns its coordinator without a read of its own."""
         outcomes = self.outcomes
         guess = max(outcomes.joined, 0)
         keys = [R.CLOSED, R.ROUND, R.assignment_key(guess)]
         keys += [R.join_key(guess, 1), R.join_key(guess + 1, 1)]
-        raw_closed, raw_round, raw_asg, first, next_first = self.store.multi_get(keys)
+        admitting = not self.admitted and bool(self.node.get("fp"))
+        if admitting:
+            keys.append(R.FINGERPRINT)
+        raw_closed, raw_round, raw_asg, first, next_first, *fingerprint = self.store.multi_get(keys)
         self._first_slots = {guess: first, guess + 1: next_first}
         if raw_closed:
             outcomes.raise_closed(raw_closed)
+        if admitting:
+            self._admit(bytes(fingerprint[0]))
         rnd = outcomes.round_number(raw_round)
         if rnd != guess:
             return rnd, raw_round, outcomes.read_assignment(rnd)

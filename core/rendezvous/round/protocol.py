@@ -85,9 +85,6 @@ class RoundProtocol:
     def next_round(self) -> tuple[R.Assignment, int]:
         """Join rounds until one forms with this node in it: its outcome and our rank."""
         outcomes, joiner = self.outcomes, self.joiner
-        if not joiner.admitted and self.node.get("fp"):
-            outcomes.raise_if_closed()  # a closed job says so before refusing a mismatch
-        joiner.check_fingerprint()
         deadline = time.monotonic() + self.s.join_timeout
         if self.progress is not None:
             self._lines = RoundProgress(self.progress, self.s.min_nodes, self.s.max_nodes, deadline)
