@@ -57,6 +57,7 @@ from elastic.core.interfaces.rendezvous import (
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousError,
+    RendezvousHandler,
     RendezvousMismatchError,
     StatusNotSupportedError,
 )
@@ -288,9 +289,12 @@ class RendezvousConformance:
             finally:
                 viewer.shutdown()
 
-    def test_mismatched_fingerprint_is_refused(
-        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
-    ) -> None:
+    @staticmethod
+    def _a_job_and_a_node_unlike_it(
+        nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> tuple[RendezvousHandler, RendezvousHandler]:
+        """A running job of one node, and a second node made for it whose fingerprint
+        differs in ``torch`` (made now: a node of this job, not a new job under its id)."""
         job = {field: "same" for field in FINGERPRINT_FIELDS}
         first = get_rendezvous_handler(replace(rdzv_target.params(run_id, 1, 2), fingerprint=job))
         nodes.handlers.append(first)
@@ -299,6 +303,12 @@ class RendezvousConformance:
             replace(rdzv_target.params(run_id, 1, 2), fingerprint={**job, "torch": "other"})
         )
         nodes.handlers.append(other)
+        return first, other
+
+    def test_mismatched_fingerprint_is_refused(
+        self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
+    ) -> None:
+        first, other = self._a_job_and_a_node_unlike_it(nodes, rdzv_target, run_id)
         with pytest.raises(RendezvousMismatchError) as refused:
             other.next_rendezvous()
         assert refused.value.fields == {"torch": ("same", "other")}
@@ -307,15 +317,7 @@ class RendezvousConformance:
     def test_a_closed_job_says_so_before_refusing_a_mismatch(
         self, nodes: Nodes, rdzv_target: RendezvousTarget, run_id: str
     ) -> None:
-        job = {field: "same" for field in FINGERPRINT_FIELDS}
-        first = get_rendezvous_handler(replace(rdzv_target.params(run_id, 1, 2), fingerprint=job))
-        nodes.handlers.append(first)
-        first.next_rendezvous()
-        # Made before the close: a late node of this job, not a new job under its id.
-        other = get_rendezvous_handler(
-            replace(rdzv_target.params(run_id, 1, 2), fingerprint={**job, "torch": "other"})
-        )
-        nodes.handlers.append(other)
+        first, other = self._a_job_and_a_node_unlike_it(nodes, rdzv_target, run_id)
         time.sleep(0.05)
         first.set_closed()
         # The job is over: that is what the late node is told, not how it differs.
