@@ -41,14 +41,18 @@ modules from source (~0.18 s CPU each) while torch's are cached in site-packages
 real install. ``--bytecode cached`` (the default) gives every interpreter a
 ``PYTHONPYCACHEPREFIX`` (``--pycache-prefix``), filled by a priming 1-node job of each
 launcher before anything is timed; ``--bytecode env`` runs as the environment says.
+Install: ``--install wheel`` (the default) runs every agent, ours and torchrun's, with an
+interpreter that has this checkout installed from a wheel, as users install it, without
+the development install's editable import hook (``launch.py``'s docstring says more);
+``--install editable`` runs them with this interpreter.
 ``--ours-args``/``--torchrun-args`` add launcher options (e.g.
 ``--rdzv-conf=heartbeat_timeout=30``).
 
 ``--startup`` also measures one agent's start-up alone: CPU time of ``<launcher> --help``
 (median of 5) and the largest cumulative imports of ``python -X importtime``.
 
-The jobs and the two kinds of run are in ``agents_scale_job.py``; the bytecode, the
-priming jobs and the start-up profile in ``agents_scale_startup.py``.
+The jobs and the two kinds of run are in ``agents_scale_job.py``; the interpreter, the
+bytecode, the priming jobs and the start-up profile in ``agents_scale_startup.py``.
 
     python bench/agents_scale.py --nodes 16,64,128,256 --repeat 3
     python bench/agents_scale.py --nodes 16,32,64,96,128 --impls torchrun --repeat 1 \\
@@ -74,7 +78,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agents_scale_job import heartbeat_run, scale_run  # noqa: E402  (beside this file)
-from agents_scale_startup import add_bytecode_options, bytecode_env, prime, startup_profile  # noqa: E402
+from agents_scale_startup import (  # noqa: E402
+    add_bytecode_options,
+    add_install_options,
+    bench_python,
+    bytecode_env,
+    prime,
+    startup_profile,
+)
 from elastic.harness.benchmarking import (  # noqa: E402
     add_report_options,
     bench_env,
@@ -150,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours-args", default="", help="extra launcher options for ours")
     parser.add_argument("--torchrun-args", default="", help="extra options for torchrun")
     add_bytecode_options(parser, "a priming run first")
+    add_install_options(parser)
     add_report_options(parser)
     args = parser.parse_args(argv)
     args.extra = {"ours": shlex.split(args.ours_args), "torchrun": shlex.split(args.torchrun_args)}
     impls = [i for i in args.impls.split(",") if i]
     node_list = [int(n) for n in args.nodes.split(",") if n]
     env = bytecode_env(bench_env(args), args.bytecode, args.pycache_prefix)
+    args.python, env = bench_python(args.install, env)
     nofile = raise_nofile(args.nofile)
     quiet = wait_for_quiet(args.max_load, args.wait_quiet) if args.wait_quiet else None
     load_before = os.getloadavg()
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     failed_any = False
     report: dict[str, Any] = {
         "command": command_line(),
-        "launchers": {i: [*launcher_cmd(i), *args.extra[i]] for i in impls},
+        "launchers": {i: [*launcher_cmd(i, args.python), *args.extra[i]] for i in impls},
         "quiet_wait": quiet,
     }
 
@@ -177,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     beat_impls = [i for i in args.heartbeat_impls.split(",") if i]
     primed = [*impls, *(i for i in beat_impls if i not in impls and args.heartbeat_seconds)]
-    report["prime_s"] = prime(env, primed, work)
+    report["install"] = {"mode": args.install, "python": str(args.python)}
+    report["prime_s"] = prime(env, primed, work, args.python)
     note(f"primed: {report['prime_s']}")
     if args.startup:
-        report["startup"] = startup_profile(env, impls)
+        report["startup"] = startup_profile(env, impls, args.python)
         for impl, entry in report["startup"].items():
             note(f"startup {impl}: cpu {entry['cpu_s']['median']:.3f}s")
 

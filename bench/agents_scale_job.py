@@ -76,13 +76,14 @@ class Job:
         work: Path,
         count_requests: bool = False,
         extra: list[str] | None = None,
+        python: Path | None = None,
     ) -> None:
         self.impl, self.nodes = impl, nodes
         self.dir = Path(tempfile.mkdtemp(prefix=f"{impl}-{nodes}-", dir=work))
         self.port = free_port()
-        launcher = launcher_cmd(impl)
+        launcher = launcher_cmd(impl, python)
         if count_requests and impl == "ours":
-            launcher = [sys.executable, "-c", COUNTING_AGENT, "run"]
+            launcher = [str(python or sys.executable), "-c", COUNTING_AGENT, "run"]
             env = {**env, "STORE_COUNT_FILE": str(self.dir / "store-count")}
         self.cmd = [
             *launcher,
@@ -200,7 +201,7 @@ class Job:
 def scale_run(
     impl: str, nodes: int, env: dict[str, str], work: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    job = Job(impl, nodes, args.worker, env, work, extra=args.extra[impl])
+    job = Job(impl, nodes, args.worker, env, work, extra=args.extra[impl], python=args.python)
     try:
         job.start()
         reason = job.wait(lambda: job.alive() == 0, job.started + args.timeout, args.min_mb)
@@ -240,7 +241,14 @@ def heartbeat_run(
     hold = args.timeout + args.settle + args.heartbeat_seconds + 60
     count = args.count_requests and impl == "ours"
     job = Job(
-        impl, nodes, f"sleep:{hold:g}", env, work, count_requests=count, extra=args.extra[impl]
+        impl,
+        nodes,
+        f"sleep:{hold:g}",
+        env,
+        work,
+        count_requests=count,
+        extra=args.extra[impl],
+        python=args.python,
     )
     try:
         job.start()

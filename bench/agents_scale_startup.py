@@ -1,7 +1,8 @@
-"""Before ``agents_scale.py`` times anything: the bytecode every interpreter reads
-(``bytecode_env``, and its options ``add_bytecode_options``, which ``launch.py`` uses
-too), a priming 1-node job of each launcher that fills it (``prime``), and one agent's
-start-up alone (``startup_profile``: ``--help``'s CPU, the heaviest imports)."""
+"""Before ``agents_scale.py`` times anything: the interpreter that runs the launchers
+(``bench_python``, option ``--install``) and the bytecode it reads (``bytecode_env``,
+options ``add_bytecode_options``; ``launch.py`` uses both too), a priming 1-node job of
+each launcher that fills it (``prime``), and one agent's start-up alone
+(``startup_profile``: ``--help``'s CPU, the heaviest imports)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from typing import Any
 
 from agents_scale_job import Job
 from elastic.harness.benchmarking import sample_stats
+from elastic.harness.installed_copy import installed_python
 from elastic.harness.processes import launcher_cmd
 
 
-def prime(env: dict[str, str], impls: list[str], work: Path) -> dict[str, float]:
+def prime(env: dict[str, str], impls: list[str], work: Path, python: Path) -> dict[str, float]:
     """One 1-node c10d job of each launcher, so every module an agent or a worker imports
     has its bytecode in the cache before anything is timed. Returns each one's wall time."""
     took = {}
     for impl in impls:
-        job = Job(impl, 1, "start", env, work)
+        job = Job(impl, 1, "start", env, work, python=python)
         try:
             job.start()
             job.wait(lambda job=job: job.alive() == 0, job.started + 300, 0.0)
@@ -48,6 +50,28 @@ def add_bytecode_options(parser: argparse.ArgumentParser, filled_by: str) -> Non
     parser.add_argument("--pycache-prefix", default="/tmp/elastic-bench-pycache")
 
 
+def add_install_options(parser: argparse.ArgumentParser) -> None:
+    """``--install``: which interpreter runs both launchers and their workers
+    (``bench_python``)."""
+    parser.add_argument(
+        "--install",
+        choices=("wheel", "editable"),
+        default=os.environ.get("ELASTIC_BENCH_INSTALL", "wheel"),
+        help="wheel: an environment with this checkout installed from a wheel, as users "
+        "install it (the editable install's import hook, loaded by every interpreter of "
+        "the development environment, costs each one a few imports); editable: this "
+        "interpreter (default from ELASTIC_BENCH_INSTALL, else wheel)",
+    )
+
+
+def bench_python(mode: str, env: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """The interpreter that runs the launchers (``add_install_options``), and ``env`` for
+    it: with the wheel, no ``PYTHONPATH`` (a checkout there would shadow the wheel)."""
+    if mode == "editable":
+        return Path(sys.executable), env
+    return installed_python(), {k: v for k, v in env.items() if k != "PYTHONPATH"}
+
+
 def bytecode_env(env: dict[str, str], mode: str, prefix: str) -> dict[str, str]:
     """``cached``: bytecode is written once to (and read from) ``prefix`` for every module,
     the project's included, whatever ``PYTHONDONTWRITEBYTECODE`` says; ``env``: as the
@@ -59,11 +83,11 @@ def bytecode_env(env: dict[str, str], mode: str, prefix: str) -> dict[str, str]:
     return env
 
 
-def startup_profile(env: dict[str, str], impls: list[str]) -> dict[str, Any]:
+def startup_profile(env: dict[str, str], impls: list[str], python: Path) -> dict[str, Any]:
     """One agent's start-up alone: ``--help``'s CPU, and the heaviest imports."""
     out: dict[str, Any] = {}
     for impl in ["python", *impls]:
-        cmd = [sys.executable, "-c", "pass"] if impl == "python" else [*launcher_cmd(impl)]
+        cmd = [str(python), "-c", "pass"] if impl == "python" else launcher_cmd(impl, python)
         if impl != "python":
             cmd.append("--help")
         cpus, walls = [], []
@@ -82,7 +106,7 @@ def startup_profile(env: dict[str, str], impls: list[str]) -> dict[str, Any]:
         }
         if impl != "python":
             proc = subprocess.run(
-                [sys.executable, "-X", "importtime", *cmd[1:]],
+                [str(python), "-X", "importtime", *cmd[1:]],
                 capture_output=True,
                 text=True,
                 env=env,

@@ -25,6 +25,13 @@ both launchers and their workers a ``PYTHONPYCACHEPREFIX``, filled by the warm-u
 ``--bytecode env`` runs as the environment says (how the launch figures were measured
 before this option).
 
+Install: ``--install wheel`` (the default) runs both launchers with an interpreter of an
+environment that has this checkout installed from a wheel, as users install it, and
+torch from this one (``elastic.harness.installed_copy``): the development install's
+editable import hook, loaded by every interpreter of its environment, is no part of a
+user's launch. ``--install editable`` runs them with this interpreter (as before this
+option; ``ELASTIC_BENCH_INSTALL=editable`` sets the default, for ``regress.py``).
+
     python bench/launch.py --repeat 5 [--impls ours,torchrun] [--json out.json]
 """
 
@@ -43,7 +50,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents_scale_startup import add_bytecode_options, bytecode_env
+from agents_scale_startup import (
+    add_bytecode_options,
+    add_install_options,
+    bench_python,
+    bytecode_env,
+)
 from elastic.harness.benchmarking import (
     add_report_options,
     bench_env,
@@ -55,7 +67,6 @@ from elastic.harness.processes import proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "workers" / "probe.py"
-BIN = Path(sys.executable).parent  # console scripts of this interpreter (no pyenv shims)
 SCENARIOS = ("launch", "restart", "warm", "rss", "help")
 # Ours / torchrun, lower is better; the targets come from the project's issue 2.
 TARGETS = {"launch": 0.3, "restart": 0.5, "warm": 0.25, "rss": 0.25, "help": None}
@@ -67,20 +78,21 @@ class BenchError(RuntimeError):
     pass
 
 
-def launcher(impl: str) -> list[str]:
-    """The command that starts launcher ``impl``: its console script, as users type it."""
-    script = BIN / ("elastic" if impl == "ours" else "torchrun")
+def launcher(impl: str, python: Path) -> list[str]:
+    """The command that starts launcher ``impl``: its console script beside ``python``
+    (no pyenv shims), as users type it."""
+    script = python.parent / ("elastic" if impl == "ours" else "torchrun")
     if script.exists():
         return [str(script), "run"] if impl == "ours" else [str(script)]
     module = "elastic" if impl == "ours" else "torch.distributed.run"
-    return [sys.executable, "-m", module, *(["run"] if impl == "ours" else [])]
+    return [str(python), "-m", module, *(["run"] if impl == "ours" else [])]
 
 
 def job_command(
-    impl: str, out_dir: Path, mode: str, max_restarts: int = 0, warm: bool = False
+    impl: str, python: Path, out_dir: Path, mode: str, max_restarts: int = 0, warm: bool = False
 ) -> list[str]:
     return [
-        *launcher(impl),
+        *launcher(impl, python),
         "--standalone",
         "--nproc-per-node=2",
         f"--max-restarts={max_restarts}",
@@ -137,24 +149,25 @@ def run_job(
     return launched, duration, peak[0]
 
 
-def measure(scenario: str, impl: str, env: dict[str, str], work: Path) -> float:
-    """One sample of ``scenario`` for ``impl``, in the scenario's unit."""
+def measure(scenario: str, impl: str, env: dict[str, str], work: Path, python: Path) -> float:
+    """One sample of ``scenario`` for ``impl`` run by ``python``, in the scenario's unit."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"{scenario}-{impl}-", dir=work))
     log = out_dir / "launcher.log"
     if scenario == "help":
-        cmd = launcher(impl)[:-1] if impl == "ours" else launcher(impl)  # drop "run"
+        cmd = launcher(impl, python)
+        cmd = cmd[:-1] if impl == "ours" else cmd  # drop "run"
         start = time.perf_counter()
         subprocess.run([*cmd, "--help"], env=env, check=True, capture_output=True)
         return time.perf_counter() - start
     if scenario == "launch":
-        launched, _, _ = run_job(job_command(impl, out_dir, "start"), env, log)
+        launched, _, _ = run_job(job_command(impl, python, out_dir, "start"), env, log)
         starts = read_stamps(out_dir, "start")
         if len(starts) != 2:
             raise BenchError(f"{impl}: expected 2 worker start stamps, got {sorted(starts)}")
         return max(starts.values()) - launched
     if scenario in ("restart", "warm"):
         mode, warm = ("restart:4", True) if scenario == "warm" else ("restart", False)
-        run_job(job_command(impl, out_dir, mode, max_restarts=1, warm=warm), env, log)
+        run_job(job_command(impl, python, out_dir, mode, max_restarts=1, warm=warm), env, log)
         failed = read_stamps(out_dir, "fail")
         starts = read_stamps(out_dir, "start")
         second = [t for (attempt, _), t in starts.items() if attempt == 1]
@@ -162,7 +175,8 @@ def measure(scenario: str, impl: str, env: dict[str, str], work: Path) -> float:
             raise BenchError(f"{impl}: no failure/attempt-1 stamps in {out_dir}")
         return min(second) - next(iter(failed.values()))
     if scenario == "rss":
-        _, _, peak = run_job(job_command(impl, out_dir, "sleep:1.5"), env, log, sample_rss=True)
+        command = job_command(impl, python, out_dir, "sleep:1.5")
+        _, _, peak = run_job(command, env, log, sample_rss=True)
         if peak is None:
             raise BenchError(f"{impl}: could not sample the launcher's VmHWM")
         return peak / 1024
@@ -198,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", default="ours,torchrun", help="comma list: ours,torchrun")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     add_bytecode_options(parser, "the warm-up runs")
+    add_install_options(parser)
     add_report_options(parser)
     args = parser.parse_args(argv)
     try:
@@ -211,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     impls = [i for i in args.impls.split(",") if i]
     scenarios = [s for s in args.scenarios.split(",") if s]
     env = bytecode_env(bench_env(args), args.bytecode, args.pycache_prefix)
+    python, env = bench_python(args.install, env)
     if args.bytecode == "cached" and args.warmup < 1:
         raise BenchError("--bytecode cached needs a warm-up run (--warmup 1) to fill the cache")
     samples: dict[str, dict[str, list[float]]] = {s: {i: [] for i in impls} for s in scenarios}
@@ -220,11 +236,11 @@ def run(args: argparse.Namespace) -> int:
         for scenario in scenarios:
             for _ in range(args.warmup):
                 for impl in impls:
-                    measure(scenario, impl, env, work)
+                    measure(scenario, impl, env, work, python)
             for i in range(args.repeat):
                 order = impls if i % 2 == 0 else impls[::-1]  # alternate who goes first
                 for impl in order:
-                    samples[scenario][impl].append(measure(scenario, impl, env, work))
+                    samples[scenario][impl].append(measure(scenario, impl, env, work, python))
                     print(
                         f"  {scenario} {impl} #{i}: {samples[scenario][impl][-1]:.4f}",
                         file=sys.stderr,
@@ -241,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
         results[scenario] = entry
     report = {
         "command": command_line(),
-        "launchers": {i: launcher(i) for i in impls},
+        "launchers": {i: launcher(i, python) for i in impls},
+        "install": {"mode": args.install, "python": str(python)},
         "repeat": args.repeat,
         "warmup": args.warmup,
         "res_options": env.get("RES_OPTIONS"),

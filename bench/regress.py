@@ -114,7 +114,9 @@ class Side:
         argv = [sys.executable, str(self.root / figure.argv[0]), *figure.argv[1:]]
         if not figure.json_on_stdout:
             argv += ["--json", str(out)]
-        env = dict(os.environ, PYTHONPATH=str(self.path_root))
+        # Editable on both sides: a side's checkout is the one on PYTHONPATH (a revision
+        # before the benches' --install option has no other way).
+        env = dict(os.environ, PYTHONPATH=str(self.path_root), ELASTIC_BENCH_INSTALL="editable")
         proc = subprocess.run(
             argv,
             cwd=self.root,

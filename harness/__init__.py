@@ -5,7 +5,8 @@ Owns simulated hosts (``netns``: ip/tc, namespaces' processes, the sweep; ``clus
 hosts on a switch; ``multihost``: real agents and etcd on them), a real SLURM
 (``slurm``), the fault jobs (``preemption_job``, ``regroup_job``, and ``accumulator``:
 the regroup workers' state), the launchers a test starts and their processes
-(``processes``), workers' JSON records (``records``), bench reports (``benchmarking``),
+(``processes``), an environment with the checkout installed from a wheel for benches
+(``installed_copy``), workers' JSON records (``records``), bench reports (``benchmarking``),
 and the helpers test modules import: ``commands`` (the CLI run for real),
 ``distributions`` (throwaway installed plugins), ``worker_specs``, ``store_sockets`` (a
 misbehaving store peer), ``c10d_handlers`` (c10d handlers as threads),

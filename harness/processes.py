@@ -18,13 +18,15 @@ from pathlib import Path
 from elastic.harness.commands import cli_env, elastic_cmd
 
 
-def launcher_cmd(impl: str) -> list[str]:
+def launcher_cmd(impl: str, python: str | Path | None = None) -> list[str]:
     """``python -m`` form of launcher ``impl``: ``"ours"`` (``elastic run``) or
-    ``"torchrun"`` (``torch.distributed.run``), with this interpreter."""
+    ``"torchrun"`` (``torch.distributed.run``), with ``python`` (default: this
+    interpreter)."""
+    python = str(python or sys.executable)
     if impl == "ours":
-        return [sys.executable, "-m", "elastic", "run"]
+        return [python, "-m", "elastic", "run"]
     if impl == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run"]
+        return [python, "-m", "torch.distributed.run"]
     raise ValueError(f"launcher must be 'ours' or 'torchrun', got {impl!r}")
 
 

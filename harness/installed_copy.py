@@ -1,0 +1,92 @@
+"""An interpreter that has this checkout installed as a user installs it, for benches.
+
+The development environment installs the project editable (``pip install -e .``):
+setuptools then adds a ``.pth`` file whose import hook every interpreter of that
+environment loads at start-up (``pathlib``, ``re``, ``urllib.parse`` and more), agents
+and workers alike, ours and torchrun's. A user's ``pip install elastic-launch`` has no
+such hook. ``installed_python`` makes a virtual environment (once per state of the
+source tree, under the temp folder) with the checkout installed from a wheel and
+everything else (torch, click, pluggy) taken from this environment through a plain path
+entry, whose own ``.pth`` files, the hook among them, are not run; and a ``torchrun``
+script of its own, as torch's wheel would have made there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elastic.harness.commands import REPO
+
+STALE = 86400.0  # s since its last use after which another tree's copy is removed
+TORCHRUN = """import sys
+from torch.distributed.run import main
+sys.exit(main())
+"""
+
+
+def _tree_hash(source: Path) -> str:
+    """The state of what the wheel is built from: every file git tracks, as it is now."""
+    listed = subprocess.run(
+        ["git", "-C", str(source), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout
+    digest = hashlib.sha256(sys.version.encode())
+    for name in sorted(filter(None, listed.split(b"\0"))):
+        path = source / os.fsdecode(name)
+        digest.update(name)
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def installed_python(source: Path = REPO) -> Path:
+    """The interpreter of an environment with ``source`` installed from a wheel (made
+    now, or kept from an earlier call for the same tree)."""
+    home = Path(tempfile.gettempdir()) / f"elastic-bench-install-{_tree_hash(source)}"
+    # One maker at a time (two pytest workers, a bench beside a test): the others wait
+    # and take what it made.
+    with open(f"{home}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _made(source, home)
+
+
+def _made(source: Path, home: Path) -> Path:
+    python = home / "bin" / "python"
+    if (home / "ready").exists():
+        os.utime(home / "ready")  # in use: kept
+        return python
+    for old in home.parent.glob("elastic-bench-install-*"):
+        if old.suffix == ".lock":
+            continue
+        used = old / "ready" if (old / "ready").exists() else old  # or still being made
+        with contextlib.suppress(OSError):
+            if time.time() - used.stat().st_mtime > STALE:
+                shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(home, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home)], check=True)
+    (target,) = Path(home, "lib").glob("python*/site-packages")
+    # Torch and the other dependencies, from this environment: a path, not a site folder.
+    (target / "deps-from-dev.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run(
+        [
+            str(python),
+            *("-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"),
+            str(source),
+        ],
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    script = home / "bin" / "torchrun"
+    script.write_text(f"#!{python}\n{TORCHRUN}")
+    script.chmod(0o755)
+    (home / "ready").write_text("")
+    return python

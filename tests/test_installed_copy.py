@@ -1,0 +1,54 @@
+"""The benches' installed copy (``harness/installed_copy.py``): an interpreter that has
+this checkout installed from a wheel, without the editable install's import hook, runs a
+job with either launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from elastic.harness.installed_copy import installed_python
+
+pytestmark = pytest.mark.slow
+
+SHOW = """
+import os, sys
+sys.stdout.write(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n")
+"""
+
+PROBE = """
+import sys, elastic
+print(elastic.__file__)
+print(sorted(m for m in sys.modules if "editable" in m))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_installed_copy_runs_both_launchers_without_the_editable_hook(
+    tmp_path: Path,
+) -> None:
+    python = installed_python()
+    assert installed_python() == python  # made once per state of the tree
+    home = python.parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as the benches run it
+    probe = subprocess.run(
+        [python, "-c", PROBE], capture_output=True, text=True, check=True, env=env
+    )
+    where, hooks = probe.stdout.splitlines()
+    assert Path(where).is_relative_to(home), where  # the wheel's copy, not the checkout
+    assert hooks == "[]", hooks
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    for launcher in (["elastic", "run"], ["torchrun"]):
+        command = [str(home / "bin" / launcher[0]), *launcher[1:]]
+        result = subprocess.run(
+            [*command, "--standalone", "--nproc-per-node=2", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        assert sorted(result.stdout.splitlines()) == ["rank 0 of 2", "rank 1 of 2"], launcher
