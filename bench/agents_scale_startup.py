@@ -17,7 +17,7 @@ from typing import Any
 
 from agents_scale_job import Job
 from elastic.harness.benchmarking import sample_stats
-from elastic.harness.installed_copy import installed_python
+from elastic.harness.installed_copy import installed_python, without_checkout
 from elastic.harness.processes import launcher_cmd
 
 
@@ -69,7 +69,7 @@ def bench_python(mode: str, env: dict[str, str]) -> tuple[Path, dict[str, str]]:
     it: with the wheel, no ``PYTHONPATH`` (a checkout there would shadow the wheel)."""
     if mode == "editable":
         return Path(sys.executable), env
-    return installed_python(), {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    return installed_python(), without_checkout(env)
 
 
 def bytecode_env(env: dict[str, str], mode: str, prefix: str) -> dict[str, str]:

@@ -48,6 +48,12 @@ def _tree_hash(source: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def without_checkout(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for the installed copy's interpreter: no ``PYTHONPATH``, where a checkout
+    would shadow the installed package."""
+    return {k: v for k, v in env.items() if k != "PYTHONPATH"}
+
+
 def installed_python(source: Path = REPO) -> Path:
     """The interpreter of an environment with ``source`` installed from a wheel (made
     now, or kept from an earlier call for the same tree)."""
@@ -83,7 +89,7 @@ def _made(source: Path, home: Path) -> Path:
             str(source),
         ],
         check=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        env=without_checkout(dict(os.environ)),
     )
     script = home / "bin" / "torchrun"
     script.write_text(f"#!{python}\n{TORCHRUN}")

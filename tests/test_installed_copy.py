@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from elastic.harness.installed_copy import installed_python
+from elastic.harness.installed_copy import installed_python, without_checkout
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def test_the_installed_copy_runs_both_launchers_without_the_editable_hook(
     python = installed_python()
     assert installed_python() == python  # made once per state of the tree
     home = python.parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as the benches run it
+    env = without_checkout(dict(os.environ))  # as the benches run it
     probe = subprocess.run(
         [python, "-c", PROBE], capture_output=True, text=True, check=True, env=env
     )

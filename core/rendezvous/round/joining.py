@@ -74,12 +74,12 @@ class Joiner:
         refused before it takes a slot, so the running job never sees it. ``held``: the
         job's fingerprint as read with the round's state (empty: none yet, ours is
         offered)."""
-        desired = R.dumps(self.node["fp"]).encode()
+        mine = self.node["fp"]
+        desired = R.dumps(mine).encode()
         if not held:
             held = bytes(self.store.compare_set(R.FINGERPRINT, "", desired))
         if held != desired:
             job = R.loads(held, self.outcomes.full(R.FINGERPRINT))
-            mine = self.node["fp"]
             diffs = differences(job if isinstance(job, dict) else {}, mine, self.allow_mismatch)
             if diffs:
                 index = self.store.add(R.REFUSED_COUNT, 1)
