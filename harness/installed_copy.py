@@ -34,12 +34,15 @@ sys.exit(main())
 """
 
 
-def _tree_hash(source: Path) -> str:
-    """The state of what the wheel is built from: every file git tracks, as it is now."""
+def _copy_key(source: Path) -> str:
+    """What the copy is made of: every file git tracks, as it is now, and the environment
+    its dependencies come from (another checkout's environment, on the same machine,
+    makes a copy of its own: the temp folder is shared)."""
     listed = subprocess.run(
         ["git", "-C", str(source), "ls-files", "-z"], capture_output=True, check=True
     ).stdout
     digest = hashlib.sha256(sys.version.encode())
+    digest.update("\0".join([sys.executable, *site.getsitepackages()]).encode())
     for name in sorted(filter(None, listed.split(b"\0"))):
         path = source / os.fsdecode(name)
         digest.update(name)
@@ -57,7 +60,7 @@ def without_checkout(env: dict[str, str]) -> dict[str, str]:
 def installed_python(source: Path = REPO) -> Path:
     """The interpreter of an environment with ``source`` installed from a wheel (made
     now, or kept from an earlier call for the same tree)."""
-    home = Path(tempfile.gettempdir()) / f"elastic-bench-install-{_tree_hash(source)}"
+    home = Path(tempfile.gettempdir()) / f"elastic-bench-install-{_copy_key(source)}"
     # One maker at a time (two pytest workers, a bench beside a test): the others wait
     # and take what it made.
     with open(f"{home}.lock", "w") as lock:

@@ -52,3 +52,14 @@ def test_the_installed_copy_runs_both_launchers_without_the_editable_hook(
         )
         assert result.returncode == 0, result.stderr
         assert sorted(result.stdout.splitlines()) == ["rank 0 of 2", "rank 1 of 2"], launcher
+
+
+def test_another_environment_gets_a_copy_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temp folder is shared by every checkout on the machine: a copy made for one
+    environment's dependencies (a path entry to its site folder) is not another's."""
+    from elastic.harness import installed_copy
+
+    here = installed_copy._copy_key(installed_copy.REPO)
+    assert installed_copy._copy_key(installed_copy.REPO) == here
+    monkeypatch.setattr(installed_copy.site, "getsitepackages", lambda: ["/elsewhere"])
+    assert installed_copy._copy_key(installed_copy.REPO) != here
