@@ -34,18 +34,23 @@ sys.exit(main())
 """
 
 
+def _tracked(source: Path) -> list[str]:
+    """The files git tracks in ``source``, as paths relative to it."""
+    listed = subprocess.run(
+        ["git", "-C", str(source), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout
+    return sorted(os.fsdecode(name) for name in listed.split(b"\0") if name)
+
+
 def _copy_key(source: Path) -> str:
     """What the copy is made of: every file git tracks, as it is now, and the environment
     its dependencies come from (another checkout's environment, on the same machine,
     makes a copy of its own: the temp folder is shared)."""
-    listed = subprocess.run(
-        ["git", "-C", str(source), "ls-files", "-z"], capture_output=True, check=True
-    ).stdout
     digest = hashlib.sha256(sys.version.encode())
     digest.update("\0".join([sys.executable, *site.getsitepackages()]).encode())
-    for name in sorted(filter(None, listed.split(b"\0"))):
-        path = source / os.fsdecode(name)
-        digest.update(name)
+    for name in _tracked(source):
+        path = source / name
+        digest.update(os.fsencode(name))
         if path.is_file():
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -85,15 +90,24 @@ def _made(source: Path, home: Path) -> Path:
     (target,) = Path(home, "lib").glob("python*/site-packages")
     # Torch and the other dependencies, from this environment: a path, not a site folder.
     (target / "deps-from-dev.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # Built from a copy of the tracked files: a build in the checkout would leave its
+    # ``build/`` and ``*.egg-info`` there, and an egg-info in the working directory is a
+    # distribution to every interpreter started in it, with yesterday's entry points.
+    tree = home / "source"
+    for name in _tracked(source):
+        if (source / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / name, tree / name)
     subprocess.run(
         [
             str(python),
             *("-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"),
-            str(source),
+            str(tree),
         ],
         check=True,
         env=without_checkout(dict(os.environ)),
     )
+    shutil.rmtree(tree)
     script = home / "bin" / "torchrun"
     script.write_text(f"#!{python}\n{TORCHRUN}")
     script.chmod(0o755)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from elastic.core import checkpoint as ckpt
 from elastic.harness.distributions import make_distribution as make_dist
-from elastic.plugins.checkpoint_fs import HEADER, FsCheckpointer
+from elastic.plugins.checkpoint_fs.directory import HEADER, FsCheckpointer
 
 
 def payload_for(step: int, size: int = 4096) -> bytes:
@@ -91,7 +91,7 @@ def test_stale_temp_of_dead_writer_is_cleaned(tmp_path: Path) -> None:
 
 KILLED_WRITER = """
 import sys, time
-from elastic.plugins.checkpoint_fs import FsCheckpointer
+from elastic.plugins.checkpoint_fs.directory import FsCheckpointer
 
 directory, size = sys.argv[1], int(sys.argv[2])
 c = FsCheckpointer(directory, keep=3, rank=0)

@@ -126,6 +126,14 @@ def test_cli_never_imports_torch(argv: list[str]) -> None:
         assert not any(m.startswith("elastic.plugins.") for m in modules)
 
 
+def test_an_agent_does_not_load_what_only_workers_use(script: Path) -> None:
+    """Every agent loads the hook plugins; the ``fs`` checkpointer (its hashing, its
+    paths) is the workers' to load, and only theirs that use it."""
+    modules = modules_after(["run", "--standalone", "--nproc-per-node=1", str(script)])
+    assert "elastic.plugins.checkpoint_fs.hooks" in modules  # the plugin was loaded
+    assert "elastic.plugins.checkpoint_fs.directory" not in modules
+
+
 def test_plugins_list_shows_builtins_and_third_party(tmp_path: Path) -> None:
     site = make_distribution(
         tmp_path,

@@ -63,3 +63,14 @@ def test_another_environment_gets_a_copy_of_its_own(monkeypatch: pytest.MonkeyPa
     assert installed_copy._copy_key(installed_copy.REPO) == here
     monkeypatch.setattr(installed_copy.site, "getsitepackages", lambda: ["/elsewhere"])
     assert installed_copy._copy_key(installed_copy.REPO) != here
+
+
+@pytest.mark.timeout(300)
+def test_making_the_copy_leaves_the_checkout_as_it_was() -> None:
+    """No ``build/`` or ``*.egg-info`` in the checkout: an egg-info in the working
+    directory is a distribution to every interpreter started there."""
+    from elastic.harness.installed_copy import REPO
+
+    installed_python()
+    assert not (REPO / "build").exists()
+    assert not list(REPO.glob("*.egg-info"))

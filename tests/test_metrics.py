@@ -361,7 +361,8 @@ def test_metrics_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import elastic.core.metrics, elastic.core.checkpoint\n"
-        "import elastic.plugins.metrics.events, elastic.plugins.checkpoint_fs\n"
+        "import elastic.plugins.metrics.events, elastic.plugins.checkpoint_fs.hooks\n"
+        "import elastic.plugins.checkpoint_fs.directory\n"
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

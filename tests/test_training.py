@@ -13,7 +13,7 @@ from typing import Any
 import elastic
 import pytest
 from elastic.core import checkpoint as ckpt
-from elastic.plugins.checkpoint_fs import FsCheckpointer
+from elastic.plugins.checkpoint_fs.directory import FsCheckpointer
 from elastic.testing.ports import free_port
 from elastic.training.state import State
 

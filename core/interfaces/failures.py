@@ -209,23 +209,24 @@ def summarize(run_id: str, records: list[FailureRecord]) -> FailureSummary:
 
 
 # --- failures that restarting cannot fix --------------------------------------------------
+# Patterns as text, compiled by ``re`` on first use and kept in its cache: most agents
+# never see a failure, and compiling them at import was a cost every agent's start paid.
 _STARTUP_PATTERNS = [
-    re.compile(r"can't open file"),  # python script.py: no such script
-    re.compile(r"^\S*python[\d.]*: No module named ", re.M),  # python -m missing
-    re.compile(r"Error while finding module specification for"),  # python -m a.missing
-    re.compile(r"^(SyntaxError|IndentationError|TabError): ", re.M),
+    (r"can't open file", 0),  # python script.py: no such script
+    (r"^\S*python[\d.]*: No module named ", re.M),  # python -m missing
+    (r"Error while finding module specification for", 0),  # python -m a.missing
+    (r"^(SyntaxError|IndentationError|TabError): ", re.M),
 ]
-_FRAME = re.compile(r'^\s*File "[^"]*", line \d+, in (\S+)', re.M)
+_FRAME = r'^\s*File "[^"]*", line \d+, in (\S+)'
 
 
 # What gloo, NCCL and torch's store say when a peer process or its host went away.
-_PEER_LOSS = re.compile(
+_PEER_LOSS = (
     r"Connection closed by peer|Connection reset by peer|ECONNRESET|Broken pipe|"
     r"Connection refused|Socket Timeout|DistNetworkError|remote process exited|"
     r"NCCL communicator was aborted|ncclRemoteError|Timed out waiting .* for client|"
     r"Timed out after .* waiting for clients|connectFullMesh failed|"
-    r"Connection was likely closed",
-    re.IGNORECASE,
+    r"Connection was likely closed"
 )
 
 
@@ -242,7 +243,7 @@ def may_be_peer_loss(record: FailureRecord) -> bool:
 def names_peer_loss(text: str) -> bool:
     """Whether an error's text is what gloo, NCCL or torch's store say when a peer
     process or its host went away (a connection closed, reset or refused, a timeout)."""
-    return bool(_PEER_LOSS.search(text))
+    return re.search(_PEER_LOSS, text, re.IGNORECASE) is not None
 
 
 def says_nothing(record: FailureRecord) -> bool:
@@ -264,14 +265,14 @@ def is_deterministic_startup_failure(record: FailureRecord) -> bool:
     if record.exit_code <= 0 or record.signal:
         return False
     text = "\n".join(t for t in (record.message, record.traceback) if t)
-    if any(p.search(text) for p in _STARTUP_PATTERNS):
+    if any(re.search(pattern, text, flags) for pattern, flags in _STARTUP_PATTERNS):
         return True
     if re.search(r"^ModuleNotFoundError: ", text, re.M) or record.message.startswith(
         "ModuleNotFoundError"
     ):
         # Only when the whole traceback is the main script's module level: an import
         # deeper in the program may depend on runtime state.
-        frames = _FRAME.findall(text)
+        frames = re.findall(_FRAME, text, re.M)
         return frames == ["<module>"]
     return False
 

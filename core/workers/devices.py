@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 ENV_SYSFS_ROOT = "ELASTIC_SYSFS_ROOT"
 ENV_PROCFS_ROOT = "ELASTIC_PROCFS_ROOT"
@@ -26,25 +25,28 @@ class Gpu:
     pci: str  # "0000:3b:00.0", where the PCI device's numa_node is
 
 
-def sys_root(environ: Mapping[str, str] | None = None) -> Path:
+# Paths are strings joined with os.path: every agent imports this module, and pathlib
+# (with the urllib.parse and ipaddress it imports) would be a cost of every start.
+def sys_root(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
-    return Path(env.get(ENV_SYSFS_ROOT) or "/sys")
+    return env.get(ENV_SYSFS_ROOT) or "/sys"
 
 
-def _proc_root(environ: Mapping[str, str]) -> Path:
-    return Path(environ.get(ENV_PROCFS_ROOT) or "/proc")
+def _proc_root(environ: Mapping[str, str]) -> str:
+    return environ.get(ENV_PROCFS_ROOT) or "/proc"
 
 
-def _read(path: Path) -> str | None:
+def _read(path: str) -> str | None:
     try:
-        return path.read_text()
+        with open(path) as f:
+            return f.read()
     except (OSError, UnicodeDecodeError):
         return None
 
 
 def _nvidia(environ: Mapping[str, str]) -> list[Gpu]:
     try:
-        names = os.listdir(_proc_root(environ) / "driver" / "nvidia" / "gpus")
+        names = os.listdir(os.path.join(_proc_root(environ), "driver", "nvidia", "gpus"))
     except OSError:
         return []
     return [Gpu("nvidia", name.lower()) for name in sorted(names)]  # PCI bus order
@@ -62,14 +64,14 @@ def _kfd_properties(text: str) -> dict[str, int]:
 
 
 def _amd(environ: Mapping[str, str]) -> list[Gpu]:
-    nodes = sys_root(environ) / "class" / "kfd" / "kfd" / "topology" / "nodes"
+    nodes = os.path.join(sys_root(environ), "class", "kfd", "kfd", "topology", "nodes")
     try:
         ids = sorted(int(n) for n in os.listdir(nodes) if n.isdigit())
     except OSError:
         return []
     gpus = []
     for node in ids:  # KFD's node order is ROCm's device order
-        props = _kfd_properties(_read(nodes / str(node) / "properties") or "")
+        props = _kfd_properties(_read(os.path.join(nodes, str(node), "properties")) or "")
         if props.get("simd_count", 0) <= 0:
             continue  # a CPU node
         loc = props.get("location_id", 0)  # bus << 8 | device << 3 | function

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Mapping
-from pathlib import Path
 
 from elastic.core.workers.devices import sys_root, visible_gpus
 
@@ -48,62 +47,70 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 class Topology:
     """The node's NUMA nodes, sockets, cores and caches, read from ``root`` (``/sys``)."""
 
-    def __init__(self, root: Path, allowed: set[int]) -> None:
+    def __init__(self, root: str, allowed: set[int]) -> None:
         self.root = root
         self.allowed = allowed
 
-    def _list(self, path: Path) -> set[int]:
+    def _path(self, relative: str) -> str:
+        return os.path.join(self.root, relative)
+
+    def _list(self, path: str) -> set[int]:
         try:
-            return parse_cpu_list(path.read_text())
+            return parse_cpu_list(_read(path))
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path}") from None
 
     def nodes(self) -> list[int]:
-        possible = self._list(self.root / "devices/system/node/possible")
+        possible = self._list(self._path("devices/system/node/possible"))
         return sorted(n for n in possible if self.node_cpus(n, missing_ok=True))
 
     def node_cpus(self, node: int, missing_ok: bool = False) -> set[int]:
-        path = self.root / f"devices/system/node/node{node}/cpulist"
-        if missing_ok and not path.exists():
+        path = self._path(f"devices/system/node/node{node}/cpulist")
+        if missing_ok and not os.path.exists(path):
             return set()
         return self._list(path) & self.allowed
 
     def socket(self, cpu: int) -> int:
-        path = self.root / f"devices/system/cpu/cpu{cpu}/topology/physical_package_id"
+        path = self._path(f"devices/system/cpu/cpu{cpu}/topology/physical_package_id")
         try:
-            return int(path.read_text())
+            return int(_read(path))
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path}") from None
 
     def core(self, cpu: int) -> int:
         """A physical core, named by its lowest hyperthread."""
         return min(
-            self._list(self.root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+            self._list(self._path(f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"))
         )
 
     def last_level_cache(self, cpu: int) -> int:
         """The CPUs sharing ``cpu``'s highest-level data cache, named by the lowest."""
-        base = self.root / f"devices/system/cpu/cpu{cpu}/cache"
+        base = self._path(f"devices/system/cpu/cpu{cpu}/cache")
         best, shared = -1, {cpu}
-        for entry in sorted(os.listdir(base)) if base.is_dir() else []:
+        for entry in sorted(os.listdir(base)) if os.path.isdir(base) else []:
             if not entry.startswith("index"):
                 continue
             try:
-                kind = (base / entry / "type").read_text().strip()
-                level = int((base / entry / "level").read_text())
+                kind = _read(os.path.join(base, entry, "type")).strip()
+                level = int(_read(os.path.join(base, entry, "level")))
             except (OSError, ValueError):
                 continue
             if kind in ("Unified", "Data") and level > best:
-                best, shared = level, self._list(base / entry / "shared_cpu_list")
+                best, shared = level, self._list(os.path.join(base, entry, "shared_cpu_list"))
         return min(shared)
 
     def gpu_node(self, pci: str) -> int:
-        path = self.root / f"bus/pci/devices/{pci}/numa_node"
+        path = self._path(f"bus/pci/devices/{pci}/numa_node")
         try:
-            return max(int(path.read_text()), 0)
+            return max(int(_read(path)), 0)
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path} (the NUMA node of GPU {pci})") from None
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import socket
 import time
 from collections import Counter
@@ -81,7 +80,7 @@ def new_node_id() -> str:
     with one id stall it until join_timeout; host and pid can repeat (handlers in one
     process, containers on the host network), so the random part carries the
     uniqueness: 24 bits, as before, collided in about 3% of 1024-handler rounds."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"  # secrets.token_hex
 
 
 def repeated_ids(joined: list[dict[str, Any]]) -> list[str]:
