@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 
 class Outcome(enum.Enum):
@@ -21,9 +22,12 @@ class Outcome(enum.Enum):
         return "failure" if self is Outcome.PEER_FAILED else self.value
 
 
-@dataclass(frozen=True)
-class AttemptEnd:
-    """``failed``: with ``FAILED``, local rank -> (exit code, unix time it was seen)."""
+class AttemptEnd(NamedTuple):
+    """``failed``: with ``FAILED``, local rank -> (exit code, unix time it was seen).
+
+    A named tuple, as the other small records of an agent's start (``Gpu``, ``Forming``,
+    ``Untaken``): Python 3.11 compiles a dataclass's methods at every import, about a
+    millisecond a class, and every agent imports these."""
 
     outcome: Outcome
-    failed: Mapping[int, tuple[int, float]] = field(default_factory=dict)
+    failed: Mapping[int, tuple[int, float]] = MappingProxyType({})

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from elastic.core.agent.checkpoint_on_notice import Coordinator
 from elastic.core.agent.outcome import Outcome
@@ -316,8 +315,7 @@ def wait_taken(
         sleep(_POLL)
 
 
-@dataclass
-class Untaken:
+class Untaken(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     """Where the workers that did not take a round are (``untaken``): ``waiting`` True
     when each waits in a collective, False when one does not (``stuck`` says where),
     None when the stacks cannot tell (a worker gave no dump)."""

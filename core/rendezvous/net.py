@@ -7,7 +7,6 @@ round's workers (``MASTER_PORT``), ``route_address`` the address other nodes rea
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 
@@ -82,6 +81,8 @@ def free_port(addr: str = "") -> int:
 
 def is_loopback(addr: str) -> bool:
     """Whether ``addr`` (an IP address, v4 or v6, a v4-mapped one too) is a loopback one."""
+    import ipaddress  # here: every agent imports this module, a store host alone asks this
+
     try:
         ip = ipaddress.ip_address(addr.split("%")[0])
     except ValueError:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 ENV_SYSFS_ROOT = "ELASTIC_SYSFS_ROOT"
 ENV_PROCFS_ROOT = "ELASTIC_PROCFS_ROOT"
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     vendor: str  # "nvidia" or "amd"
     pci: str  # "0000:3b:00.0", where the PCI device's numa_node is
 

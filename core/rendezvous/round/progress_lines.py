@@ -27,8 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from elastic.core.interfaces.coordination import CoordinationStore
 from elastic.core.interfaces.rendezvous import (
@@ -76,8 +75,7 @@ def name_list(names: Sequence[str], total: int | None = None) -> str:
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
-@dataclass(frozen=True)
-class Forming:
+class Forming(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     """What the coordinator publishes about the round it forms (``r/<n>/progress``)."""
 
     joined: int
