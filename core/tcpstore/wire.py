@@ -28,8 +28,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 VALIDATION_MAGIC = 0x3C85F7CE
 KEY_PREFIX = "/"
@@ -149,9 +148,10 @@ def multi_set(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
 # --- decoding (the server) ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Request:
-    """One parsed request; the fields its query does not have keep their defaults."""
+class Request(NamedTuple):
+    """One parsed request; the fields its query does not have keep their defaults. A named
+    tuple: made for every request the store serves, and not compiled at each import as a
+    dataclass's methods are (see AttemptEnd in core/agent/outcome.py)."""
 
     query: Query
     key: bytes = b""

@@ -72,7 +72,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from elastic.core.interfaces.coordination import HOST_HEARD_WITHIN, CoordinationStore
 from elastic.core.interfaces.rendezvous import (
@@ -96,8 +96,7 @@ def lease_length(heartbeat_timeout: float) -> float:
     return heartbeat_timeout - min(STOP_MARGIN, heartbeat_timeout / 2)
 
 
-@dataclass(frozen=True)
-class Expiry:
+class Expiry(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     """Why the lease ran out: how long no keep-alive had been acknowledged then; ``term``:
     what ``arm`` was given for the round it ran out in."""
 
