@@ -30,16 +30,24 @@ The agent's end is ``ControlFile``; the workers' ends are ``elastic.training.pre
 and ``elastic.training.regroup``; the layout constants below are the one definition both
 read. The round file is the agent's own data (torchrun's variables for each local rank),
 written whole and renamed, so a worker never reads half of one.
+
+An agent removes its files when it closes; one killed by SIGKILL (the OOM killer, a
+test) cannot. Each agent holds an ``flock`` on its control file for its whole life, so
+whoever can take that lock knows the owner is gone: every agent that closes normally
+removes such leftovers from the temp folder (``sweep_leftovers``). The lock, not a pid,
+says who is alive: it holds across pid namespaces that share the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import mmap
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Mapping
 
 ENV_CONTROL = "ELASTIC_CONTROL_FILE"
@@ -69,6 +77,12 @@ SAVED_PENDING = 2**64 - 1
 ROUND_SUFFIX = ".round"  # the round file: <control file>.round
 STACKS_SUFFIX = ".stacks-"  # a worker's stack dumps: <control file>.stacks-<slot>
 MAX_ROUND_FILE = 1 << 20  # bytes a worker reads at most
+# The control file's name: ``<PREFIX><random>``, its round and stack files beside it with
+# a suffix. (Earlier versions named it ``elastic-control-*`` and held no lock: theirs are
+# never swept, a live one would look dead.)
+PREFIX = "elastic-ctl-"
+# A leftover is at least this old: a file made this instant is not locked yet.
+LEFTOVER_AGE = 60.0  # s
 
 
 def slot_offset(local_rank: int) -> int:
@@ -123,12 +137,18 @@ class ControlFile:
     def __init__(self, local_world_size: int, directory: str | None = None) -> None:
         self.size = slot_offset(local_world_size)
         self.local_world_size = local_world_size
-        fd, self.path = tempfile.mkstemp(prefix="elastic-control-", dir=directory)
+        self.directory = directory
+        fd, self.path = tempfile.mkstemp(prefix=PREFIX, dir=directory)
+        # Held until close (or the process's death): the file is in use.
+        self._lock_fd: int | None = fd
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(fd, bytes(self.size))
             self._map: mmap.mmap | None = mmap.mmap(fd, self.size)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.path)
+            raise
         self.requested = 0
         self.generation = 0
         self._stack_files: dict[int, str] = {}
@@ -226,6 +246,7 @@ class ControlFile:
         return max((slot[STEP_US] for slot in self._slots()), default=0) / 1e6
 
     def close(self) -> None:
+        """Remove this node's files, then those agents killed before it left."""
         if self._map is not None:
             self._map.close()
             self._map = None
@@ -233,3 +254,41 @@ class ControlFile:
         for path in (self.path, round_path(self.path), *stacks):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            sweep_leftovers(self.directory)
+
+
+def sweep_leftovers(directory: str | None = None) -> list[str]:
+    """Remove the control files (and their round and stack files) whose agents are gone:
+    at least ``LEFTOVER_AGE`` old and not locked. Returns the control files removed.
+    Never raises: a file another user owns, or one that vanished meanwhile, is skipped."""
+    folder = directory or tempfile.gettempdir()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    bases = [n for n in names if n.startswith(PREFIX) and "." not in n]
+    removed = []
+    for name in bases:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < LEFTOVER_AGE:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # locked: its agent is alive
+            # Ours now (the lock held while removing): the agent is gone.
+            for other in [n for n in names if n.startswith(name + ".")] + [name]:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, other))
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
