@@ -68,6 +68,7 @@ from elastic.core.plugin.host import PluginHost
 from elastic.core.rendezvous.local import LocalRendezvousHandler
 from elastic.core.rendezvous.round.progress_lines import Say, round_line, say_stderr
 from elastic.core.watchdog.builtin import register_builtins
+from elastic.core.workers.control_file import sweep_leftovers
 from elastic.core.workers.logs import LogLayout, LogTailer, WorkerLogs
 from elastic.core.workers.process import (
     DEFAULT_SIGNALS,
@@ -170,6 +171,8 @@ class LocalElasticAgent(Crew, Endings, InPlaceRegroup, SignalExit, ElasticAgent)
                 self._handler.shutdown()
             if self._coordinator is not None:
                 self._coordinator.control.close()
+                # Once, as the agent ends: off every start and restart path.
+                sweep_leftovers(self._coordinator.control.directory)
             if self._layout is not None:
                 self._layout.tidy()
             self._group.state = result.state

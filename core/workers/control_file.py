@@ -33,7 +33,7 @@ written whole and renamed, so a worker never reads half of one.
 
 An agent removes its files when it closes; one killed by SIGKILL (the OOM killer, a
 test) cannot. Each agent holds an ``flock`` on its control file for its whole life, so
-whoever can take that lock knows the owner is gone: every agent that closes normally
+whoever can take that lock knows the owner is gone: every agent that ends normally
 removes such leftovers from the temp folder (``sweep_leftovers``). The lock, not a pid,
 says who is alive: it holds across pid namespaces that share the folder.
 """
@@ -246,7 +246,8 @@ class ControlFile:
         return max((slot[STEP_US] for slot in self._slots()), default=0) / 1e6
 
     def close(self) -> None:
-        """Remove this node's files, then those agents killed before it left."""
+        """Remove this node's files (the agent sweeps others' as it ends: not here, which
+        every restart passes through)."""
         if self._map is not None:
             self._map.close()
             self._map = None
@@ -257,7 +258,6 @@ class ControlFile:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-            sweep_leftovers(self.directory)
 
 
 def sweep_leftovers(directory: str | None = None) -> list[str]:
