@@ -29,7 +29,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from elastic.core.log import say
 
@@ -38,8 +38,7 @@ ENV_FILE = "TORCHELASTIC_TIMER_FILE"
 INTERVAL = 0.1  # seconds between expiry checks (torch's agent uses max_interval=0.1)
 
 
-@dataclass
-class TimerRequest:
+class TimerRequest(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     pid: int
     scope_id: str
     expiration_time: float

@@ -22,16 +22,14 @@ import os
 import tempfile
 import time
 import traceback as tb
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 PRECISE_KEY = "timestamp_precise"
 
 
-@dataclass
-class ErrorFileContent:
+class ErrorFileContent(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     """What an error file says. ``timestamp`` is unix time, or None when the file has
     none; ``precise`` is False when it only has torch's whole-second timestamp."""
 

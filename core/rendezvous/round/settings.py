@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from elastic.core.interfaces.rendezvous import RendezvousConfigError, RendezvousParameters
 from elastic.core.rendezvous.secrets import read_token
@@ -35,8 +35,7 @@ ROUND_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class RoundSettings:
+class RoundSettings(NamedTuple):  # a named tuple: see AttemptEnd in core/agent/outcome.py
     min_nodes: int
     max_nodes: int
     last_call_timeout: float = 30.0
