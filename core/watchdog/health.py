@@ -26,8 +26,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from elastic.core.plugin.extras import needs_extra
 from elastic.core.plugin.hookspecs import hookimpl
@@ -73,19 +73,19 @@ class HealthPortError(ValueError):
     not allowed), or ``ELASTIC_LIVENESS_TIMEOUT`` is not a positive number."""
 
 
-@dataclass
-class Sample:
+# Named tuples, not dataclasses: every agent imports this module (see AttemptEnd in
+# core/agent/outcome.py).
+class Sample(NamedTuple):
     """One metric sample: ``kind`` is ``gauge`` or ``counter`` (name without _total)."""
 
     name: str
     kind: str
     help: str
     value: float
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = MappingProxyType({})
 
 
-@dataclass
-class Readiness:
+class Readiness(NamedTuple):
     ready: bool
     reason: str
 
