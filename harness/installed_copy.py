@@ -56,6 +56,18 @@ def _copy_key(source: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def copy_tracked(source: Path, dest: Path) -> Path:
+    """A copy of the files git tracks in ``source`` (as they are now), to build a wheel
+    from: a build in the checkout leaves its ``build/`` and ``*.egg-info`` there, and an
+    egg-info in the working directory is a distribution to every interpreter started in
+    it, with the entry points of the day it was built. Returns ``dest``."""
+    for name in _tracked(source):
+        if (source / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / name, dest / name)
+    return dest
+
+
 def without_checkout(env: dict[str, str]) -> dict[str, str]:
     """``env`` for the installed copy's interpreter: no ``PYTHONPATH``, where a checkout
     would shadow the installed package."""
@@ -90,14 +102,7 @@ def _made(source: Path, home: Path) -> Path:
     (target,) = Path(home, "lib").glob("python*/site-packages")
     # Torch and the other dependencies, from this environment: a path, not a site folder.
     (target / "deps-from-dev.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    # Built from a copy of the tracked files: a build in the checkout would leave its
-    # ``build/`` and ``*.egg-info`` there, and an egg-info in the working directory is a
-    # distribution to every interpreter started in it, with yesterday's entry points.
-    tree = home / "source"
-    for name in _tracked(source):
-        if (source / name).is_file():
-            (tree / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source / name, tree / name)
+    tree = copy_tracked(source, home / "source")
     subprocess.run(
         [
             str(python),

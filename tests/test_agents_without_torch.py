@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from elastic.harness.commands import REPO, cli_env
+from elastic.harness.installed_copy import copy_tracked
 from elastic.testing.ports import free_port
 
 pytest_plugins = ["elastic.testing.etcd"]
@@ -145,9 +146,10 @@ def torchless_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     there, which click and pluggy are, from the system's packages)."""
     root = tmp_path_factory.mktemp("torchless")
     wheels, venv = root / "wheels", root / "venv"
+    source = copy_tracked(REPO, root / "source")  # not in the checkout: no build/ left there
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["-w", str(wheels), str(REPO)],
+        + ["-w", str(wheels), str(source)],
         capture_output=True,
         text=True,
         timeout=300,

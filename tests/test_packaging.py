@@ -9,7 +9,6 @@ import email
 import importlib.metadata
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from elastic.harness.commands import REPO, cli_env
+from elastic.harness.installed_copy import copy_tracked
 
 # What docs/conformance.md and docs/plugins.md tell a plugin author to import or run.
 PLUGIN_AUTHOR_KIT = [
@@ -106,10 +106,7 @@ def test_the_version_has_one_source() -> None:
 def test_the_wheel_carries_licence_types_classifiers_and_the_kit(tmp_path: Path) -> None:
     # From a copy without build/: setuptools builds in the tree and never empties
     # build/lib, so a module that was once in the package would ship again.
-    source = tmp_path / "source"
-    shutil.copytree(
-        REPO, source, ignore=shutil.ignore_patterns("build", ".*", "__pycache__", "*.egg-info")
-    )
+    source = copy_tracked(REPO, tmp_path / "source")
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
         + ["-w", str(tmp_path), str(source)],
