@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import socket
 
+from elastic.core.tcpstore.dial import lookup_name
+
 
 def parse_endpoint(endpoint: str, default_port: int | None) -> tuple[str, int | None]:
     """``host``, ``host:port`` or ``[v6]:port`` -> (host, port); port 0..65535.
@@ -42,7 +44,7 @@ def join_host_port(host: str, port: int) -> str:
 def resolve(host: str, port: int) -> list[tuple[int, str]]:
     """(family, address) pairs for ``host``, IPv4 first (what other nodes most likely
     use). Raises ``OSError`` (``socket.gaierror``) when the name does not resolve."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = socket.getaddrinfo(lookup_name(host), port, type=socket.SOCK_STREAM)
     seen: list[tuple[int, str]] = []
     for family, _, _, _, addr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
         pair = (family, str(addr[0]))
