@@ -80,7 +80,8 @@ def new_node_id() -> str:
     with one id stall it until join_timeout; host and pid can repeat (handlers in one
     process, containers on the host network), so the random part carries the
     uniqueness: 24 bits, as before, collided in about 3% of 1024-handler rounds."""
-    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"  # secrets.token_hex
+    # os.urandom is what secrets.token_hex reads: the same bits, without that import.
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
 
 
 def repeated_ids(joined: list[dict[str, Any]]) -> list[str]:
