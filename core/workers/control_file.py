@@ -269,9 +269,14 @@ def sweep_leftovers(directory: str | None = None) -> list[str]:
         names = os.listdir(folder)
     except OSError:
         return []
-    bases = [n for n in names if n.startswith(PREFIX) and "." not in n]
+    beside: dict[str, list[str]] = {}  # a control file's name -> its files' names
+    for n in names:
+        if n.startswith(PREFIX):
+            beside.setdefault(n.partition(".")[0], []).append(n)
     removed = []
-    for name in bases:
+    for name, files in beside.items():
+        if name not in files:
+            continue  # its round or stack files alone: not ours to judge
         path = os.path.join(folder, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -285,7 +290,7 @@ def sweep_leftovers(directory: str | None = None) -> list[str]:
             except OSError:
                 continue  # locked: its agent is alive
             # Ours now (the lock held while removing): the agent is gone.
-            for other in [n for n in names if n.startswith(name + ".")] + [name]:
+            for other in sorted(files, key=lambda n: n == name):  # the control file last
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, other))
             removed.append(path)
