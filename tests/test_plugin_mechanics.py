@@ -287,6 +287,27 @@ def test_a_misspelled_hook_fails_at_registration() -> None:
         bare_host().register(Misspelled(), "misspelled")
 
 
+def test_private_names_are_never_hooks() -> None:
+    """The host never reads a plugin's ``_private`` or dunder names (pluggy would read each
+    through the class's MRO at every start): a marked private helper is not a hook."""
+    called: list[str] = []
+
+    class WithHelper:
+        @hookimpl
+        def _elastic_agent_start(self, spec: Any, config: Any) -> None:
+            called.append("helper")
+
+        @hookimpl
+        def elastic_agent_start(self, spec: Any, config: Any) -> None:
+            called.append("hook")
+
+    host = bare_host()
+    host.register(WithHelper(), "with-helper")
+    assert not hasattr(host.pm.hook, "_elastic_agent_start")  # never read as a hook
+    host.notify("elastic_agent_start", spec=None, config=None)
+    assert called == ["hook"]
+
+
 def test_option_conflicts_drop_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
     class Owner:
         @hookimpl
