@@ -45,8 +45,14 @@ def test_a_notice_while_the_job_regroups_waits_for_the_group_and_keeps_the_state
         with_joiner = re.compile(r"round \d+ formed: 3 nodes")
         formed = wait_until(lambda: with_joiner.search(job.nodes[kept.name].text()), 60)
         assert formed, job.texts()
+        before = len(job.nodes[kept.name].text())
         victim.kill()  # the kept node's old group breaks: its workers wait, no group
-        time.sleep(2.0)  # it found the death and waits for the joiner's worker
+        # It found the death, and the round with the joiner formed: its workers wait for
+        # the joiner's, still starting (JOINER_SLEEPS). A fixed pause here raced a loaded
+        # machine, where the notice could land before that round (the kept node alone).
+        with_both = re.compile(r"round \d+ formed: 2 nodes")
+        regrouped = wait_until(lambda: with_both.search(job.nodes[kept.name].text()[before:]), 30)
+        assert regrouped, job.texts()
         noticed = time.time()
         os.kill(job.nodes[kept.name].proc.pid, signal.SIGTERM)
         code = job.nodes[kept.name].wait(timeout=60)
