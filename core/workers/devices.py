@@ -35,10 +35,15 @@ def _proc_root(environ: Mapping[str, str]) -> str:
     return environ.get(ENV_PROCFS_ROOT) or "/proc"
 
 
+def read_text(path: str) -> str:
+    """A sysfs or procfs file's text (``numa`` reads its topology files with it too)."""
+    with open(path) as f:
+        return f.read()
+
+
 def _read(path: str) -> str | None:
     try:
-        with open(path) as f:
-            return f.read()
+        return read_text(path)
     except (OSError, UnicodeDecodeError):
         return None
 

@@ -26,7 +26,7 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping
 
-from elastic.core.workers.devices import sys_root, visible_gpus
+from elastic.core.workers.devices import read_text, sys_root, visible_gpus
 
 MODES = ("node", "socket", "exclusive", "core-complex")
 
@@ -47,11 +47,6 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
 class Topology:
     """The node's NUMA nodes, sockets, cores and caches, read from ``root`` (``/sys``)."""
 
@@ -64,7 +59,7 @@ class Topology:
 
     def _list(self, path: str) -> set[int]:
         try:
-            return parse_cpu_list(_read(path))
+            return parse_cpu_list(read_text(path))
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path}") from None
 
@@ -81,7 +76,7 @@ class Topology:
     def socket(self, cpu: int) -> int:
         path = self._path(f"devices/system/cpu/cpu{cpu}/topology/physical_package_id")
         try:
-            return int(_read(path))
+            return int(read_text(path))
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path}") from None
 
@@ -99,8 +94,8 @@ class Topology:
             if not entry.startswith("index"):
                 continue
             try:
-                kind = _read(os.path.join(base, entry, "type")).strip()
-                level = int(_read(os.path.join(base, entry, "level")))
+                kind = read_text(os.path.join(base, entry, "type")).strip()
+                level = int(read_text(os.path.join(base, entry, "level")))
             except (OSError, ValueError):
                 continue
             if kind in ("Unified", "Data") and level > best:
@@ -110,7 +105,7 @@ class Topology:
     def gpu_node(self, pci: str) -> int:
         path = self._path(f"bus/pci/devices/{pci}/numa_node")
         try:
-            return max(int(_read(path)), 0)
+            return max(int(read_text(path)), 0)
         except (OSError, ValueError):
             raise NumaBindingError(f"cannot read {path} (the NUMA node of GPU {pci})") from None
 
