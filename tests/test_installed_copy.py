@@ -65,12 +65,21 @@ def test_another_environment_gets_a_copy_of_its_own(monkeypatch: pytest.MonkeyPa
     assert installed_copy._copy_key(installed_copy.REPO) != here
 
 
-@pytest.mark.timeout(300)
-def test_making_the_copy_leaves_the_checkout_as_it_was() -> None:
-    """No ``build/`` or ``*.egg-info`` in the checkout: an egg-info in the working
-    directory is a distribution to every interpreter started there."""
-    from elastic.harness.installed_copy import REPO
+def _build_leftovers(repo: Path) -> dict[str, int]:
+    """What a build in ``repo`` would leave or touch, with each entry's mtime."""
+    found = [repo / "build", *repo.glob("*.egg-info")]
+    found += [entry for folder in found if folder.is_dir() for entry in folder.iterdir()]
+    return {str(path): path.stat().st_mtime_ns for path in found if path.exists()}
 
-    installed_python()
-    assert not (REPO / "build").exists()
-    assert not list(REPO.glob("*.egg-info"))
+
+@pytest.mark.timeout(300)
+def test_making_the_copy_leaves_the_checkout_as_it_was(tmp_path: Path) -> None:
+    """The build leaves no ``build/`` or ``*.egg-info`` in the checkout and touches none
+    there: an egg-info in the working directory is a distribution to every interpreter
+    started there. (An editable install of the checkout makes one of its own, before
+    this test: it must come out as it went in.)"""
+    from elastic.harness import installed_copy
+
+    before = _build_leftovers(installed_copy.REPO)
+    installed_copy._made(installed_copy.REPO, tmp_path / "copy")  # a build, never a kept copy
+    assert _build_leftovers(installed_copy.REPO) == before
