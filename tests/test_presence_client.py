@@ -54,3 +54,97 @@ def test_a_serving_rank_that_listens_is_not_gone() -> None:
     finally:
         client.stop()
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_process_s_connections_share_one_thread_and_a_failing_callback_ends_only_its_own() -> (
+    None
+):
+    """Every presence connection of a process is served by one thread (a thousand
+    handlers in one process made a thousand threads the instant their round formed);
+    a member's callback that raises ends its own connection, not that thread."""
+    n = 64
+    server = PresenceServer("127.0.0.1", None, RUN)
+    members = [f"m{i}" for i in range(n)]
+    server.watch(members, 1)
+    before = {t.ident for t in threading.enumerate()}
+    clients = [
+        PresenceClient(
+            "127.0.0.1",
+            server.port,
+            lambda nonce, m=m: hello_line(None, RUN, m, 1, nonce),
+            lambda: None,
+        )
+        for m in members
+    ]
+    broken, gone = threading.Event(), threading.Event()
+
+    def fails() -> None:
+        broken.set()
+        raise RuntimeError("a member's bug")
+
+    bad = client_of(closed_port(), threading.Event())
+    bad._on_gone = fails  # its port refuses: the callback runs after BLIP_GRACE
+    late: PresenceClient | None = None
+    try:
+        deadline = time.monotonic() + 10
+        while server.silent()[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.silent()[0] == []  # every hello arrived
+        new = [t for t in threading.enumerate() if t.ident not in before]
+        assert [t.name for t in new if "presence-client" in t.name] in (
+            [],  # an earlier test of this process started it
+            ["rdzv-presence-clients"],
+        )
+        assert broken.wait(5) and bad.ended.wait(5)
+        late = client_of(closed_port(), gone)  # after the failure: the same thread serves it
+        assert gone.wait(5), "the thread stopped serving after a callback failed"
+    finally:
+        for client in clients:
+            client.stop()
+        if late is not None:
+            late.stop()
+        deadline = time.monotonic() + 10
+        while not all(c.ended.is_set() for c in clients) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(BLIP_GRACE + 0.5)
+        assert server.gone() == []  # each said goodbye
+        server.close()
+    assert all(c.ended.is_set() for c in clients)
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_closed_under_the_thread_does_not_block_the_next_one() -> None:
+    """A connection's socket closed from outside (the tests' stand-in for a killed
+    process) leaves its descriptor's number in the thread's selector; the next socket
+    the kernel gives that number connects as any other."""
+    server = PresenceServer("127.0.0.1", None, RUN)
+    server.watch(["m1", "m2"], 1)
+
+    def member(name: str) -> PresenceClient:
+        return PresenceClient(
+            "127.0.0.1",
+            server.port,
+            lambda nonce: hello_line(None, RUN, name, 1, nonce),
+            lambda: None,
+        )
+
+    first = member("m1")
+    second: PresenceClient | None = None
+    try:
+        deadline = time.monotonic() + 5
+        while first._sock is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first._sock is not None
+        number = first._sock.fileno()
+        first._sock.close()  # the kernel forgets it; the selector's map does not
+        second = member("m2")
+        while "m2" in server.silent()[0] and time.monotonic() < deadline + 5:
+            time.sleep(0.01)
+        assert "m2" not in server.silent()[0], "the next connection never said hello"
+        assert second._sock is not None and second._sock.fileno() == number  # the same number
+    finally:
+        for client in (first, second):
+            if client is not None:
+                client.stop()
+        server.close()

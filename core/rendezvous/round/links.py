@@ -66,8 +66,8 @@ class PresenceLinks:
             return self._plan is not None or self._deputy_plan is not None
 
     def connect(self, deputy: bool = True) -> None:
-        """Open the connections asked for (never blocks: clients connect on threads of
-        their own). ``deputy`` False: the job is closed (finished), it re-forms no more,
+        """Open the connections asked for (never blocks: the process's presence thread
+        connects them). ``deputy`` False: the job is closed (finished), it re-forms no more,
         so a rank 0 that said goodbye leaves nothing to watch: no deputy connection (a
         thousand members of a finished job would otherwise each open one as they exit)."""
         with self._lock:
