@@ -203,7 +203,9 @@ def build_config(
     entrypoint, args = entrypoint_for(opts)
     check_rejected(opts)
     check_numa_binding(fields["numa_binding"], fields["nproc_per_node"])
-    fields["fingerprint"] = fingerprint_for(opts, fields["nproc_per_node"], fields["max_restarts"])
+    if not fields["standalone"]:  # one node: nobody to compare it with
+        nproc, restarts = fields["nproc_per_node"], fields["max_restarts"]
+        fields["fingerprint"] = fingerprint_for(opts, nproc, restarts)
     omp = "OMP_NUM_THREADS" not in os.environ and fields["nproc_per_node"] > 1
     fields["extra_env"] = {"OMP_NUM_THREADS": "1"} if omp else {}
     try:

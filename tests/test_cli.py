@@ -128,10 +128,16 @@ def test_cli_never_imports_torch(argv: list[str]) -> None:
 
 def test_an_agent_does_not_load_what_only_workers_use(script: Path) -> None:
     """Every agent loads the hook plugins; the ``fs`` checkpointer (its hashing, its
-    paths) is the workers' to load, and only theirs that use it."""
+    paths) is the workers' to load, and only theirs that use it. A standalone agent
+    serves no store (its workers' rank 0 hosts theirs) and has nobody to compare a
+    fingerprint with: no store client or server, no hashing."""
     modules = modules_after(["run", "--standalone", "--nproc-per-node=1", str(script)])
     assert "elastic.plugins.checkpoint_fs.hooks" in modules  # the plugin was loaded
     assert "elastic.plugins.checkpoint_fs.directory" not in modules
+    assert "elastic.core.tcpstore.dial" in modules  # its free port, from the package
+    assert "elastic.core.tcpstore.client" not in modules
+    assert "elastic.core.tcpstore.server" not in modules
+    assert "hashlib" not in modules
 
 
 def test_plugins_list_shows_builtins_and_third_party(tmp_path: Path) -> None:

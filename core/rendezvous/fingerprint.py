@@ -7,7 +7,6 @@ refused at the door instead of failing minutes later inside a collective.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -31,6 +30,8 @@ def installed_version(distribution: str) -> str:
 
 
 def file_sha256(path: str) -> str:
+    import hashlib  # here: a standalone agent, which has no fingerprint, never loads it
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 16), b""):

@@ -10,7 +10,26 @@ and ``limits`` (what a listening server grants one peer). May import ``interface
 ``log`` (the rooms below it); a public room for plugins.
 """
 
-from elastic.core.tcpstore.client import TCPStoreClient
-from elastic.core.tcpstore.server import TCPStoreServer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic.core.tcpstore.client import TCPStoreClient
+    from elastic.core.tcpstore.server import TCPStoreServer
 
 __all__ = ["TCPStoreClient", "TCPStoreServer"]
+
+
+def __getattr__(name: str) -> object:
+    """The client and server on first use: ``dial`` (every lookup of ours, a standalone
+    agent's free port) is in this package, and importing it must not bring them along."""
+    if name == "TCPStoreClient":
+        from elastic.core.tcpstore.client import TCPStoreClient
+
+        return TCPStoreClient
+    if name == "TCPStoreServer":
+        from elastic.core.tcpstore.server import TCPStoreServer
+
+        return TCPStoreServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
