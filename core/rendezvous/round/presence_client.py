@@ -203,9 +203,12 @@ class PresenceClient:
         if not data or len(nonce) != NONCE_LEN or not set(nonce) <= _HEX:
             self._refused = False  # not our presence port, or it closed: no refusal
             return self._failed(loop)
+        hello = self._hello(nonce.decode())
         try:
-            sock.send(self._hello(nonce.decode()))  # a few hundred bytes: an empty buffer
+            whole = sock.send(hello) == len(hello)  # a few hundred bytes: an empty buffer
         except OSError:
+            whole = False
+        if not whole:
             return self._failed(loop)
         self._state, self._buf, self._grace_end = _OPEN, b"", None
         self._sock = sock
