@@ -5,9 +5,9 @@ An agent reaches (or hosts) the rendezvous store without importing torch; torch'
 ``channel`` (one socket with deadlines) and ``client``, ``server`` with ``peers`` (one
 connection it serves), ``store`` (what it serves) and ``admission`` (what a connection
 that has not proved the token may cost), ``view`` (a reconnecting connection and a
-``CoordinationStore`` view of it), ``dial`` (opening a connection, ours and presence's)
-and ``limits`` (what a listening server grants one peer). May import ``interfaces`` and
-``log`` (the rooms below it); a public room for plugins.
+``CoordinationStore`` view of it), ``dial`` (opening a connection, and the name every
+lookup of ours gives) and ``limits`` (what a listening server grants one peer). May
+import ``interfaces`` and ``log`` (the rooms below it); a public room for plugins.
 """
 
 from __future__ import annotations

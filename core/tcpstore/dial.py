@@ -1,5 +1,6 @@
-"""Opening a TCP connection, for every client of ours (store clients, presence), and the
-name ``getaddrinfo`` is given for a host (``lookup_name``, for every lookup of ours).
+"""Opening a TCP connection, for the store's clients and probes, and the name
+``getaddrinfo`` is given for a host (``lookup_name``, for every lookup of ours, the
+presence connections' too: those connect without blocking, on one thread).
 
 ``getaddrinfo`` runs a host given as ``str`` through Python's own IDNA codec first: tens
 of microseconds of pure Python per connection, and a round makes a thousand of them at

@@ -143,10 +143,7 @@ class PresenceClient:
 
     def _failed(self, loop: _Loop) -> None:
         """This connect failed (``_refused``: nothing listened there)."""
-        if self._attempt is not None:
-            loop.forget(self._attempt)
-            self._attempt.close()
-            self._attempt = None
+        self._drop_attempt(loop)
         if self._grace_end is None:
             # The serving rank named this port when it joined the round, so it listened
             # then: a refusal from the first connect on is its process gone (it died
@@ -176,9 +173,7 @@ class PresenceClient:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code:
                 self._refused = code == errno.ECONNREFUSED
-                loop.forget(sock)
-                sock.close()
-                self._attempt = None
+                self._drop_attempt(loop)
                 return self._next_address(loop)
             self._state, self._buf = _CHALLENGE, b""
             loop.watch(self, sock, selectors.EVENT_READ, HELLO_WAIT)
@@ -257,11 +252,16 @@ class PresenceClient:
         if self._state != _OPEN:
             self._end(loop)
 
-    def _end(self, loop: _Loop) -> None:
+    def _drop_attempt(self, loop: _Loop) -> None:
+        """Close the current state's socket, out of the selector first."""
         if self._attempt is not None:
             loop.forget(self._attempt)
             self._attempt.close()
-        self._attempt = self._sock = None
+            self._attempt = None
+
+    def _end(self, loop: _Loop) -> None:
+        self._drop_attempt(loop)
+        self._sock = None
         self._state = _ENDED
         self._timer += 1
         loop.drop(self)
