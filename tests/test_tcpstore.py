@@ -162,6 +162,81 @@ def test_every_operation(any_server: int, connect: ClientFactory) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_wait_get_brings_what_it_waited_for(any_server: int, connect: ClientFactory) -> None:
+    c, other = connect(any_server), connect(any_server)
+    # Only a server of ours takes WAIT_GET; torch's get a WAIT and a MULTI_GET.
+    assert c.probe_wait_get() is c.ours
+    c.set("a", b"1")
+    assert c.wait_get(["a"]) == [b"1"]
+    with after(0.3, lambda: other.set("late", b"L")):
+        assert c.wait_get(["late", "a"], timedelta(seconds=20)) == [b"L", b"1"]
+    with pytest.raises(StoreTimeoutError, match="never"):
+        c.wait_get(["never", "a"], timedelta(seconds=0.3))
+    assert c.get("a") == b"1"  # the cancelled wait left the stream in step
+
+
+def _answer(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, f"closed after {data!r}"
+        data += chunk
+    return data
+
+
+@pytest.mark.timeout(60)
+def test_wait_get_on_the_wire(
+    server: TCPStoreServer, connect: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic.core.tcpstore import limits
+
+    writer = connect(server.port)
+    sock = handshaken(server.port)
+    try:
+        wait_get = wire.request(wire.Query.WAIT_GET, wire.blobs([b"/k"]))
+        sock.sendall(wait_get)
+        writer.set("k", b"value")
+        stop = wire.U8.pack(wire.STOP_WAITING)
+        assert _answer(sock, 2 + 8 + 5) == stop + wire.U8.pack(wire.VALUES) + wire.blob(b"value")
+        # A CANCEL_WAIT that crosses the answer is answered after it and its values.
+        sock.sendall(wire.request(wire.Query.WAIT_GET, wire.blobs([b"/k2", b"/k"])))
+        writer.set("k2", b"v2")
+        writer.num_keys()  # the SET is applied: the answer is on its way
+        sock.sendall(wire.request(wire.Query.CANCEL_WAIT))
+        values = wire.U8.pack(wire.VALUES) + wire.blob(b"v2") + wire.blob(b"value")
+        cancelled = wire.U8.pack(wire.WAIT_CANCELED)
+        assert _answer(sock, 2 + 2 * 8 + 7 + 1) == stop + values + cancelled
+        # Values past the reply limit are not sent: the client reads them as it always
+        # would (a MULTI_GET, which the limit governs).
+        monkeypatch.setattr(limits, "MAX_REPLY_LEN", 8 + 4)
+        sock.sendall(wait_get)
+        assert _answer(sock, 2) == stop + wire.U8.pack(wire.NO_VALUES)
+        sock.sendall(wire.request(wire.Query.GETNUMKEYS))
+        assert _answer(sock, 8) == wire.I64.pack(2)  # in step
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_older_server_of_ours_is_waited_on_as_before(
+    server: TCPStoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server from before WAIT_GET (a node let in with allow_mismatch=elastic) closes a
+    # connection that sends it: the waiting connection is made again, and waits as before.
+    monkeypatch.delitem(wire._LAYOUT, wire.Query.WAIT_GET.value)
+    conn = Connection(HOST, server.port, timeout=10.0)
+    store = PrefixStore(conn, "job/")
+    try:
+        store.set("a", b"1")
+        with after(0.3, lambda: store.set("late", b"L")):
+            assert store.wait_get(["late", "a"], timedelta(seconds=20)) == [b"L", b"1"]
+        assert store.wait_get(["a"]) == [b"1"]
+        assert conn._older_server
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
 def test_get_and_multi_get_time_out_like_wait(server: TCPStoreServer, connect: ClientFactory):
     c = connect(server.port, timeout=0.5)
     c.set("here", b"1")

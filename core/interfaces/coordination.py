@@ -78,6 +78,13 @@ class CoordinationStore(Protocol):
         was found lost, a line is due) without a thread of its own to watch the wait."""
         ...
 
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        """``wait``, then the keys' values as ``multi_get`` reads them: in the wait's own
+        round trip where the server allows (a waiter reads what it waited for at once)."""
+        ...
+
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key exists; never blocks."""
         ...

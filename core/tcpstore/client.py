@@ -98,6 +98,9 @@ class TCPStoreClient(Channel):
         torch_ok: bool = False,
     ) -> None:
         super().__init__(host, port, timeout)
+        self.ours = False  # the server is ours: it answered the token handshake
+        # It answers WAIT_GET (``probe_wait_get``; an older server of ours does not).
+        self.takes_wait_get = False
         limit = timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + limit
         pause = BUSY_PAUSE
@@ -124,6 +127,7 @@ class TCPStoreClient(Channel):
             return
         try:
             self._authenticate(token)
+            self.ours = True
         except _Busy as busy:
             if not (busy.at_hello and accepts_torch):
                 raise
@@ -245,6 +249,36 @@ class TCPStoreClient(Channel):
         with self._lock:
             self._wait(wire_keys, seconds, keys, tick)
 
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        """``wait``, then the keys' values (``b""``: a key only a queue holds): in the one
+        round trip of a WAIT_GET where the server takes it (``probe_wait_get``), else a
+        MULTI_GET after the WAIT."""
+        seconds = self.timeout if timeout is None else timeout.total_seconds()
+        wire_keys = [self._key(k) for k in keys]
+        with self._lock:
+            values = self._wait(wire_keys, seconds, keys, tick, self.takes_wait_get)
+            if values is None:  # torch's server, or values past the server's reply limit
+                values = self._roundtrip(
+                    wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
+                    lambda deadline: [self._blob(deadline) for _ in wire_keys],
+                )
+            return values
+
+    def probe_wait_get(self) -> bool:
+        """Whether the server answers WAIT_GET (``takes_wait_get``), by an empty one: one
+        round trip, to a server of ours only. An older server of ours closes the
+        connection instead, and this client is dead (``RendezvousStoreGoneError``)."""
+        if self.ours and not self.takes_wait_get:
+            with self._lock:
+                answer = self._roundtrip(
+                    wire.request(Query.WAIT_GET, wire.blobs([])),
+                    lambda deadline: (self._u8(deadline), self._u8(deadline)),
+                )
+            self.takes_wait_get = answer == (wire.STOP_WAITING, wire.VALUES)
+        return self.takes_wait_get
+
     def check(self, keys: Sequence[str]) -> bool:
         payload = wire.request(Query.CHECK, wire.blobs([self._key(k) for k in keys]))
         with self._lock:
@@ -303,35 +337,46 @@ class TCPStoreClient(Channel):
         seconds: float,
         keys: Sequence[str],
         tick: Tick | None = None,
-    ) -> None:
+        with_values: bool = False,
+    ) -> list[bytes] | None:
         """torch's ``doWait``: park a WAIT on the server; on timeout send CANCEL_WAIT and
         read its answer (after a STOP_WAITING that crossed it, if any), so the stream stays
         in step, then raise. ``tick`` runs every ``WAIT_TICK`` s while the answer is due;
         what it raises leaves the WAIT parked, so the connection is dropped as out of step
-        (``_roundtrip``). Caller holds the lock."""
+        (``_roundtrip``). ``with_values``: a WAIT_GET, and the values that came with its
+        answer are returned (None: they would pass the server's reply limit). Caller
+        holds the lock."""
         wait_deadline = time.monotonic() + max(seconds, 0.0)
 
-        def answer(_: float) -> None:
+        def values(deadline: float) -> list[bytes] | None:
+            """What follows a WAIT_GET's STOP_WAITING (``wire``)."""
+            if self._u8(deadline) != wire.VALUES:
+                return None
+            return [self._blob(deadline) for _ in wire_keys]
+
+        def answer(_: float) -> list[bytes] | None:
             while True:
                 due = wait_deadline
                 if tick is not None:
                     due = min(due, time.monotonic() + WAIT_TICK)
                 try:
                     self._u8(due, wait=True)
-                    return
+                    return values(time.monotonic() + self.timeout) if with_values else None
                 except WaitExpired:
                     if tick is None or due >= wait_deadline:
                         raise
                 tick()
 
+        query = Query.WAIT_GET if with_values else Query.WAIT
         try:
-            self._roundtrip(wire.request(Query.WAIT, wire.blobs(wire_keys)), answer)
-            return
+            return self._roundtrip(wire.request(query, wire.blobs(wire_keys)), answer)
         except WaitExpired:
             pass
 
         def read_cancel_ack(deadline: float) -> None:
             if self._u8(deadline) == wire.STOP_WAITING:
+                if with_values:
+                    values(deadline)  # what came with it
                 self._u8(deadline)  # the WAIT_CANCELED that follows
 
         self._roundtrip(wire.request(Query.CANCEL_WAIT), read_cancel_ack)

@@ -45,6 +45,7 @@ class Peer:
         "outbuf",
         "validated",
         "missing",
+        "reads",
         "paused",
         "events",
         "deadline",
@@ -65,6 +66,7 @@ class Peer:
         self.deadline: float | None = time.monotonic() + limits.HANDSHAKE_WAIT
         # The keys a parked WAIT still misses; None when no WAIT is parked.
         self.missing: set[bytes] | None = None
+        self.reads: tuple[bytes, ...] | None = None  # a parked WAIT_GET's keys
         # Requests received are left unanswered until its unread answers drain.
         self.paused = False
         self.events = selectors.EVENT_READ  # as registered with the selector

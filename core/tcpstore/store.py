@@ -61,6 +61,8 @@ class Waiter(Protocol):
     outbuf: bytearray
     # The keys a parked WAIT (or BARRIER) still waits for; None when none is parked.
     missing: set[bytes] | None
+    # A parked WAIT_GET's keys, whose values go with its STOP_WAITING; None otherwise.
+    reads: tuple[bytes, ...] | None
 
 
 W = TypeVar("W", bound=Waiter)
@@ -112,6 +114,8 @@ class ServedStore(Generic[W]):
             out += wire.U8.pack(wire.READY if ready else wire.NOT_READY)
         elif query is Query.WAIT:
             self._park(conn, [k for k in req.keys if not self._present(k)])
+        elif query is Query.WAIT_GET:
+            self._park(conn, [k for k in req.keys if not self._present(k)], req.keys)
         elif query is Query.CANCEL_WAIT:
             self.unpark(conn)
             out += wire.U8.pack(wire.WAIT_CANCELED)
@@ -211,15 +215,28 @@ class ServedStore(Generic[W]):
 
     # --- parked requests -------------------------------------------------------------------
 
-    def _park(self, conn: W, keys: list[bytes]) -> None:
+    def _park(self, conn: W, keys: list[bytes], reads: tuple[bytes, ...] | None = None) -> None:
+        """Park ``conn`` until ``keys`` are present (answered at once when none is
+        missing); ``reads``: a WAIT_GET's keys, whose values go with the answer."""
         if conn.missing is not None:
             raise Drop("a second WAIT while one is parked")
         if not keys:
-            conn.outbuf += wire.U8.pack(wire.STOP_WAITING)
+            conn.outbuf += self._stop_waiting(reads)
             return
         conn.missing = set(keys)
+        conn.reads = reads
         for key in conn.missing:
             self._waiters.setdefault(key, {})[conn] = None
+
+    def _stop_waiting(self, reads: tuple[bytes, ...] | None) -> bytes:
+        """A parked request's answer: STOP_WAITING, and a WAIT_GET's values (``wire``)."""
+        if reads is None:
+            return wire.U8.pack(wire.STOP_WAITING)
+        values = [self.data.get(key, b"") for key in reads]
+        if sum(wire.U64.size + len(value) for value in values) > limits.MAX_REPLY_LEN:
+            return wire.U8.pack(wire.STOP_WAITING) + wire.U8.pack(wire.NO_VALUES)
+        answer = [wire.U8.pack(wire.STOP_WAITING), wire.U8.pack(wire.VALUES)]
+        return b"".join(answer + [wire.blob(value) for value in values])
 
     def unpark(self, conn: W) -> None:
         for key in conn.missing or ():
@@ -229,6 +246,7 @@ class ServedStore(Generic[W]):
                 if not waiters:
                     del self._waiters[key]
         conn.missing = None
+        conn.reads = None
 
     def _wake_waiters(self, key: bytes, one: bool = False) -> None:
         """Tell the connections parked on ``key`` (the first only, with ``one``) that it
@@ -248,7 +266,8 @@ class ServedStore(Generic[W]):
             waiter.missing.discard(key)
             if not waiter.missing:
                 waiter.missing = None
-                waiter.outbuf += wire.U8.pack(wire.STOP_WAITING)
+                waiter.outbuf += self._stop_waiting(waiter.reads)
+                waiter.reads = None
                 # Sent by the loop: a failure to send to the waiter must drop the
                 # waiter, not the connection whose request woke it.
                 self._wake(waiter)

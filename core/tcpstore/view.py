@@ -80,6 +80,7 @@ class Connection:
         # (liveness is a value changing, not a key expiring), so they stay readable.
         self._present: set[str] = set()
         self._checks_first = False  # the server is torch's legacy one (see ``read``)
+        self._older_server = False  # it closed a WAIT_GET's probe (``_new_waiter``)
         self._idle_waiters: list[TCPStoreClient] = []
         self._busy_waiters: set[TCPStoreClient] = set()
         self.beats: dict[str, bytes] = {}  # heartbeat key -> the value written there last
@@ -160,6 +161,7 @@ class Connection:
             self.host, self.port, self.where = host, port, f"{host}:{port}"
             self.torch_ok = False  # a store moves only to one of ours, which proves it
             self._present = set()
+            self._older_server = False
             idle, self._idle_waiters = self._idle_waiters, []
         for stale in [old, *idle]:
             if stale is not None:
@@ -168,6 +170,17 @@ class Connection:
     def wait(self, keys: list[str], timeout: timedelta | None, tick: Tick | None = None) -> None:
         """``TCPStoreClient.wait`` on a waiting connection (see the class). A store that
         moved meanwhile is a ``RendezvousConnectionError``: the caller waits again."""
+        self._on_waiter("wait", keys, timeout, tick)
+
+    def wait_get(
+        self, keys: list[str], timeout: timedelta | None, tick: Tick | None = None
+    ) -> list[bytes]:
+        """``wait``, then the keys' values: ``TCPStoreClient.wait_get``."""
+        return list(self._on_waiter("wait_get", keys, timeout, tick))
+
+    def _on_waiter(
+        self, op: str, keys: list[str], timeout: timedelta | None, tick: Tick | None
+    ) -> Any:
         try:
             client = self._take_waiter()
         except RendezvousConnectionError as exc:
@@ -175,7 +188,7 @@ class Connection:
                 raise self._final(exc) from None
             client = self._take_waiter()
         try:
-            client.wait(keys, timeout, tick)
+            result = getattr(client, op)(keys, timeout, tick)
         except StoreTimeoutError:
             self._return_waiter(client)  # the WAIT was cancelled: the stream is in step
             raise
@@ -190,6 +203,7 @@ class Connection:
             self._drop_waiter(client)
             raise
         self._return_waiter(client)
+        return result
 
     def open_waiter(self) -> None:
         """Connect the first waiting connection now, so that no connection cost lands
@@ -201,12 +215,26 @@ class Connection:
             self._raise_if_closed()
             client = self._idle_waiters.pop() if self._idle_waiters else None
         if client is None:
-            client = self._connect()
+            client = self._new_waiter()
         with self._lock:
             if self._closed:  # closed while this one connected
                 client.close()
                 self._raise_if_closed()
             self._busy_waiters.add(client)
+        return client
+
+    def _new_waiter(self) -> TCPStoreClient:
+        """A new waiting connection, asked once whether its server takes WAIT_GET (a
+        server of ours, before a round needs it); one that closed it, an older server of
+        ours (a node let in with ``allow_mismatch=elastic``), is made again, unasked."""
+        client = self._connect()
+        if self._older_server:
+            return client
+        try:
+            client.probe_wait_get()
+        except RendezvousStoreGoneError:
+            self._older_server = True
+            client = self._connect()
         return client
 
     def _return_waiter(self, client: TCPStoreClient) -> None:
@@ -341,6 +369,11 @@ class PrefixStore:
         self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> None:
         self._conn.wait([self._k(k) for k in keys], timeout, tick)
+
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        return self._conn.wait_get([self._k(k) for k in keys], timeout, tick)
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._conn.call("check", [self._k(k) for k in keys]))

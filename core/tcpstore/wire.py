@@ -17,6 +17,14 @@ its own proof over both challenges, answered with ``AUTHENTICATED``: a listener 
 the token learns nothing it could use elsewhere, and cannot pass for the job's store.
 torch's servers close a connection that sends ``AUTH_HELLO`` (an unknown query).
 
+Ours alone too: ``WAIT_GET``, a ``WAIT`` whose ``STOP_WAITING`` brings the keys' values
+along, so a waiter reads what it waited for in the same round trip. The values follow as
+a ``MULTI_GET`` answers them, after ``VALUES``; or ``NO_VALUES`` alone when they would pass
+the server's reply limit (the client then reads them with ``MULTI_GET``, which the limit
+governs as always). A ``CANCEL_WAIT`` that crosses the ``STOP_WAITING`` is answered after
+it and its values. A client sends it only to a server that answered an empty one
+(``STOP_WAITING``, ``VALUES``): an older server of ours closes the connection instead.
+
 Keys on the wire are whatever the client sends: torch's client prefixes every key with
 ``/`` (``TCPStore::keyPrefix_``), so a client meant to share keys with torch's must too.
 """
@@ -78,6 +86,7 @@ class Query(enum.IntEnum):
     # Ours, far from torch's numbers: the token handshake (see the module).
     AUTH_HELLO = 96
     AUTH_PROOF = 97
+    WAIT_GET = 98  # a WAIT answered with the keys' values (see the module)
 
 
 # One-byte responses (CheckResponseType, WaitResponseType; AUTH_PROOF's).
@@ -89,6 +98,7 @@ MAX_AUTH_LEN = 64  # an AUTH_PROOF's field: a SHA-256 HMAC is 32 bytes
 # length, field), so a stranger past VALIDATE cannot make the server buffer more.
 AUTH_REQUEST_LEN = 1 + 8 + MAX_AUTH_LEN
 STOP_WAITING, WAIT_CANCELED = 0, 1
+NO_VALUES, VALUES = 0, 1  # what follows a WAIT_GET's STOP_WAITING
 
 
 class ProtocolError(ValueError):
@@ -158,7 +168,7 @@ class Request(NamedTuple):
     value: bytes = b""  # SET's, APPEND's, QUEUE_PUSH's value; COMPARE_SET's expected value
     desired: bytes = b""  # COMPARE_SET's new value
     number: int = 0  # ADD's amount; BARRIER's world size; VALIDATE's magic; PING's nonce
-    keys: tuple[bytes, ...] = ()  # CHECK, WAIT, MULTI_GET
+    keys: tuple[bytes, ...] = ()  # CHECK, WAIT, MULTI_GET, WAIT_GET
     pairs: tuple[tuple[bytes, bytes], ...] = ()  # MULTI_SET
 
 
@@ -191,7 +201,7 @@ for _queries, _fields in (
         (("key", MAX_KEY_LEN), ("value", MAX_VALUE_LEN), ("desired", MAX_VALUE_LEN)),
     ),
     ((Query.ADD, Query.BARRIER), (("key", MAX_KEY_LEN), ("number", I64))),
-    ((Query.CHECK, Query.WAIT, Query.MULTI_GET), (("keys", _KEYS),)),
+    ((Query.CHECK, Query.WAIT, Query.MULTI_GET, Query.WAIT_GET), (("keys", _KEYS),)),
     ((Query.MULTI_SET,), (("pairs", _PAIRS),)),
     ((Query.GETNUMKEYS, Query.CANCEL_WAIT, Query.LIST_KEYS), ()),
 ):

@@ -190,6 +190,12 @@ class EtcdStore:
             if tick is not None:
                 tick()
 
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        self.wait(keys, timeout, tick)
+        return self.multi_get(keys)
+
     def check(self, keys: Sequence[str]) -> bool:
         for key in keys:
             try:

@@ -207,6 +207,13 @@ class EtcdV3Store:
     ) -> None:
         self._await(keys, timeout, tick)
 
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        found = self._await(keys, timeout, tick)
+        with reading_reply(self.where, "kv/txn"):
+            return [unb64(found[k].get("value")) for k in map(self._k, keys)]
+
     def _await(
         self,
         keys: Sequence[str],

@@ -2,7 +2,7 @@
 round's state, takes a join slot with one ``add`` and writes its join record, reads join
 records (its own coordinator's; the coordinator reads them all with the same reader;
 a slot its taker never wrote is claimed empty after a short wait), and waits for the
-round's outcome in one server-side ``wait``.
+round's outcome in one server-side wait that brings it (``wait_get``).
 
 May import the round's ``publishing`` (the outcomes it reads), ``monitor`` (events),
 ``progress_lines``, ``settings``, ``signing`` and ``records``; outside the round,
@@ -194,8 +194,8 @@ class Joiner:
         return None
 
     def await_outcome(self, rnd: int, deadline: float, lines: RoundProgress | None) -> R.Assignment:
-        """Block in one server-side ``wait`` on round ``rnd``'s outcome until it is
-        published, the store is lost or ``deadline`` passes."""
+        """Block in one server-side wait on round ``rnd``'s outcome until it is published
+        (and read it with the answer), the store is lost or ``deadline`` passes."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise timed_out(self.outcomes.run_id, self.s, "no assignment was published")
@@ -212,10 +212,13 @@ class Joiner:
                 lines.waiting(self.store, rnd)
 
         try:
-            self.store.wait([R.assignment_key(rnd)], timedelta(seconds=remaining), tick)
+            # The outcome comes with the answer: one round trip, not a wait and a read.
+            (raw,) = self.store.wait_get(
+                [R.assignment_key(rnd)], timedelta(seconds=remaining), tick
+            )
         except StoreTimeoutError:
             raise timed_out(self.outcomes.run_id, self.s, "no assignment was published") from None
-        asg = self.outcomes.read_assignment(rnd)
+        asg = self.outcomes.assignment(raw, rnd)
         assert asg is not None
         self.outcomes.outcome_sent = sent
         return asg

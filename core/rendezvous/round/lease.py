@@ -142,6 +142,9 @@ class Lease:
         # Quiet until the node is a member of a round (``arm``) or coordinates one: until
         # then nobody reads its heartbeat.
         self._quiet = True
+        # The keep-alive thread sleeps until woken (it was idle when it last looked): the
+        # judge wakes it when a round's first keep-alive is due (``arm``).
+        self._keeper_asleep = False
         self._slow_noted = False  # said once per episode that the store is only slow
         self.error: Exception | None = None  # final: the store is gone or corrupt
         self._thread: threading.Thread | None = None
@@ -218,8 +221,13 @@ class Lease:
             self._arming = member and stale
             if self._arming:
                 self._urgent = True  # the keep-alive thread renews it now (``renew``)
-        if member:
-            self.set_quiet(False)
+            if member:
+                self._quiet = False
+        if self._arming:
+            self._wake_keeper.set()
+        # Otherwise the judge wakes the keep-alive thread when the round's first one is
+        # due (``_judge_step``), not now: a thousand members of one process returning
+        # from their round together would wake a thousand threads for nothing.
         JUDGES.wake(self)
 
     # -- what the round reads ---------------------------------------------------------
@@ -304,9 +312,10 @@ class Lease:
         while not self._stop.is_set():
             with self._lock:
                 due = self._next_due()
-            # Until set_quiet(False) wakes us; a stale lease being armed is renewed even
-            # with keep-alives suspended, as ``arm`` always renewed it.
-            idle = not (self._beating or self._arming) or self._quiet
+                # Until set_quiet(False) or the judge wakes us; a stale lease being armed
+                # is renewed even with keep-alives suspended, as ``arm`` always renewed it.
+                idle = not (self._beating or self._arming) or self._quiet
+                self._keeper_asleep = idle
             self._wake_keeper.wait(None if idle else max(0.0, due - time.monotonic()))
             self._wake_keeper.clear()
             if self._stop.is_set():
@@ -331,11 +340,18 @@ class Lease:
         return (self._acked_sent or -float("inf")) + self.length - now
 
     def _judge_step(self, now: float) -> float | None:
-        """Judge now; when to judge again (monotonic), None: not until ``arm``."""
+        """Judge now, and wake the keep-alive thread if it sleeps while one is due; when to
+        judge again (monotonic), None: not until ``arm``."""
         with self._lock:
             self._judge(now)
             done = not self._armed or self._expired is not None
             due = None if done else now + max(self._left(now), JEOPARDY_POLL)
+            keeping = self._keeper_asleep and not self._quiet and self._beating
+            keep_due = self._next_due() if keeping and not self._stop.is_set() else None
+        if keep_due is not None and keep_due <= now:
+            self._wake_keeper.set()  # it sleeps until woken, and a keep-alive is due
+        elif keep_due is not None:
+            due = keep_due if due is None else min(due, keep_due)
         self._tell()  # at the lease's end: the judge is due then
         return due  # None: nothing to judge until the next round
 

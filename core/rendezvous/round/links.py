@@ -1,7 +1,7 @@
 """This node's presence connections to its round's serving ranks (``presence.py``).
 
 A member connects to rank 0's presence port the instant its round forms, from the
-monitor thread (woken for it, not a tick later: a member killed in its round's first
+thread that returns the round (not a tick later: a member killed in its round's first
 second is seen). When rank 0 is gone (it said goodbye on leaving, or its port refuses
 us after its connection closed) and the job re-forms without it, the member connects to
 rank 1's, the deputy, which listens on through the regroup: a member that dies then is
@@ -25,7 +25,7 @@ def _nothing() -> None:
 
 
 class PresenceLinks:
-    """This node's presence connections, made on the monitor thread (``connect``): to
+    """This node's presence connections (``connect``, which never blocks): to
     rank 0 from the round's first instant, to rank 1 (the deputy) once rank 0 is gone;
     and the serving ranks they found dead. ``hello``: our answer to a challenge, given
     the round and the challenge (``presence.hello_line``); ``wake``: connect or publish
@@ -59,11 +59,6 @@ class PresenceLinks:
             self.client = self.deputy_client = None
             self._asg, self._mine = asg, self._plan
             return old
-
-    @property
-    def planned(self) -> bool:
-        with self._lock:
-            return self._plan is not None or self._deputy_plan is not None
 
     def connect(self, deputy: bool = True) -> None:
         """Open the connections asked for (never blocks: the process's presence thread

@@ -182,8 +182,10 @@ class Monitor:
                 # its outcome is fresh, and a thousand members returning together do not
                 # read it again (nor connect to rank 0) while the last are still returning.
                 self._next_tick = time.monotonic() + self.interval
-        if self.liveness.links.planned:
-            self._wake.set()
+        # Connect to rank 0 now, from this thread (it never blocks: the process's presence
+        # thread connects), rather than waking the monitor's: a thousand members of one
+        # process returning together would wake a thousand threads for it.
+        self.liveness.links.connect(deputy=not self.closed)
         for client in old:
             client.stop()
         self.lease.arm(asg is not None, outcome_sent, asg.round if asg is not None else -1)
@@ -270,7 +272,7 @@ class Monitor:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            # A new round's, at once (``set_round`` woke us); a closed job's deputy: none.
+            # The deputy's, once rank 0 said goodbye (``links`` woke us); a closed job's: none.
             self.liveness.links.connect(deputy=not self.closed)
             now = time.monotonic()
             with self._lock:

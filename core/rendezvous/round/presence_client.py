@@ -300,7 +300,10 @@ class _Loop:
     def poke(self, client: PresenceClient) -> None:
         """Look at ``client`` on the next turn (new, or stopped)."""
         with self._lock:
+            pending = bool(self._incoming)
             self._incoming.append(client)
+        if pending:
+            return  # the wake that brought the others is unread yet: it takes this one too
         with contextlib.suppress(OSError):  # full: a wake is pending anyway
             self._wake_out.send(b"\0")
 

@@ -285,13 +285,33 @@ class SignedStore:
     ) -> None:
         started = time.monotonic()
         self.inner.wait(keys, timeout, tick)
-        if self.token is None:
-            return
+        if self.token is not None:
+            self._await_signed(keys, started, timeout, tick, self.read(keys))
+
+    def wait_get(
+        self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
+    ) -> list[bytes]:
+        started = time.monotonic()
+        raws = self.inner.wait_get(keys, timeout, tick)
+        values = [self._open(key, raw) for key, raw in zip(keys, raws, strict=True)]
+        if self.token is not None:
+            values = self._await_signed(keys, started, timeout, tick, values)
+        return [value or b"" for value in values]
+
+    def _await_signed(
+        self,
+        keys: Sequence[str],
+        started: float,
+        timeout: timedelta | None,
+        tick: Tick | None,
+        values: list[bytes | None],
+    ) -> list[bytes | None]:
+        """After a wait that ``started`` then, which read ``values``: a foreign value made
+        it return early, so wait for the real one (whoever writes it overwrites the
+        foreign value, see ``compare_set``); the values, all signed."""
         limit = FOREIGN_WAIT if timeout is None else timeout.total_seconds()
-        # A foreign value made the wait return early: wait for the real one (whoever
-        # writes it overwrites the foreign value, see ``compare_set``).
         ticked = time.monotonic()
-        while not all(self.read(keys)):
+        while not all(values):
             now = time.monotonic()
             if now - started >= limit:
                 raise StoreTimeoutError(f"timed out waiting for signed values at {list(keys)}")
@@ -299,6 +319,8 @@ class SignedStore:
                 ticked = now
                 tick()
             time.sleep(FOREIGN_POLL)
+            values = self.read(keys)
+        return values
 
     # -- writes --------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
