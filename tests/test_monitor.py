@@ -532,3 +532,52 @@ def test_a_silent_member_is_lost_timeout_after_its_beat_was_read_not_a_tick_late
         monitor.stop()
         conn.close()
         probe_conn.close()
+
+
+class _HeldBeats:
+    """A real store view whose heartbeats wait for ``release`` before they go out (a
+    keep-alive on its way while its node shuts down)."""
+
+    def __init__(self, inner: PrefixStore) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def heartbeat(self, key: str, value: bytes | str) -> None:
+        self.started.set()
+        self.release.wait(10)
+        self.inner.heartbeat(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_keep_alive_on_its_way_lands_before_join_returns(server: TCPStoreServer) -> None:
+    """``Lease.join`` (before a node writes "done") waits for a keep-alive on its way,
+    whichever thread sent it, and no longer than that: with none on its way it returns
+    at once."""
+    from elastic.core.rendezvous.round.lease import Lease
+
+    conn = Connection(HOST, server.port, timeout=10.0)
+    store = _HeldBeats(PrefixStore(conn, "job/"))
+    lease = Lease(store, "hb", interval=1.0, timeout=5.0)  # type: ignore[arg-type]
+    try:
+        sender = threading.Thread(target=lease.renew, daemon=True)
+        sender.start()
+        assert store.started.wait(5)
+        lease.stop()
+        threading.Timer(0.5, store.release.set).start()
+        started = time.monotonic()
+        lease.join(5.0)
+        waited = time.monotonic() - started
+        assert 0.4 < waited < 4, waited
+        beat = store.inner.multi_get(["hb"])[0]
+        assert beat.startswith(b"1 "), beat  # it landed before join returned
+        started = time.monotonic()
+        lease.join(5.0)  # nothing on its way now
+        assert time.monotonic() - started < 0.2
+    finally:
+        store.release.set()
+        lease.stop()
+        conn.close()

@@ -175,6 +175,36 @@ def test_wait_get_brings_what_it_waited_for(any_server: int, connect: ClientFact
     assert c.get("a") == b"1"  # the cancelled wait left the stream in step
 
 
+@pytest.mark.timeout(60)
+def test_a_confirmed_set_is_one_round_trip(any_server: int, connect: ClientFactory) -> None:
+    # The SET and the request whose answer proves it applied go in one send: the server
+    # reads both at once and answers once.
+    c = connect(any_server)
+    sent: list[bytes] = []
+    original = c._sock
+    c._sock = _Recording(original, sent)
+    c.set("k", b"v", confirmed=True)
+    c.multi_set(["m1", "m2"], [b"1", b"2"], confirmed=True)
+    c._sock = original
+    assert [s[0] for s in sent] == [wire.Query.SET, wire.Query.MULTI_SET]
+    assert all(s.endswith(wire.request(wire.Query.GETNUMKEYS)) for s in sent)
+    assert c.multi_get(["k", "m1", "m2"]) == [b"v", b"1", b"2"]
+
+
+class _Recording:
+    """A socket whose sends are recorded."""
+
+    def __init__(self, sock: socket.socket, sent: list[bytes]) -> None:
+        self._sock, self._sent = sock, sent
+
+    def sendall(self, data: bytes) -> None:
+        self._sent.append(bytes(data))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 def _answer(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:

@@ -211,10 +211,10 @@ class TCPStoreClient(Channel):
 
     # --- the Store API -------------------------------------------------------------------
 
-    def set(self, key: str, value: bytes | str) -> None:
+    def set(self, key: str, value: bytes | str, confirmed: bool = False) -> None:
+        """``confirmed``: return once the server applied it (``_unanswered``)."""
         payload = wire.request(Query.SET, wire.blob(self._key(key)), wire.blob(_as_bytes(value)))
-        with self._lock:
-            self._roundtrip(payload, None)
+        self._unanswered(payload, confirmed)
 
     def get(self, key: str) -> bytes:
         """The value at ``key``, waiting up to ``timeout`` for it to exist (as torch)."""
@@ -304,14 +304,26 @@ class TCPStoreClient(Channel):
                 lambda deadline: [self._blob(deadline) for _ in wire_keys],
             )
 
-    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+    def multi_set(
+        self, keys: Sequence[str], values: Sequence[bytes | str], confirmed: bool = False
+    ) -> None:
+        """``confirmed``: return once the server applied it (``_unanswered``)."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         payload = wire.multi_set(
             (self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)
         )
+        self._unanswered(payload, confirmed)
+
+    def _unanswered(self, payload: bytes, confirmed: bool) -> None:
+        """Send a request the protocol does not answer. ``confirmed``: a GETNUMKEYS goes
+        with it, in the same send, and its answer proves the server applied the request
+        (one connection's requests are applied in order): one round trip."""
         with self._lock:
-            self._roundtrip(payload, None)
+            if confirmed:
+                self._roundtrip(payload + wire.request(Query.GETNUMKEYS), self._i64)
+            else:
+                self._roundtrip(payload, None)
 
     def num_keys(self) -> int:
         """Every key the server holds, including ones torch's clients keep for themselves

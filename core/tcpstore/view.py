@@ -133,13 +133,11 @@ class Connection:
             return self._apply(self._current(), op, args)
 
     def _apply(self, client: TCPStoreClient, op: str, args: tuple[Any, ...]) -> Any:
-        result = getattr(client, op)(*args)
         if op in UNANSWERED and self.locator is not None:
-            # An answer to the request after it proves the server applied it (one
-            # connection's requests are applied in order): a store closed for a move
-            # before it read the SET fails this instead, and the SET goes to the new one.
-            client.num_keys()
-        return result
+            # Confirmed by an answer to a request sent with it: a store closed for a move
+            # before it read the SET fails that instead, and the SET goes to the new one.
+            return getattr(client, op)(*args, confirmed=True)
+        return getattr(client, op)(*args)
 
     def find_moved_store(self) -> bool:
         """After this store stopped answering: ask the locator where it went and switch

@@ -97,8 +97,7 @@ def redirect_new_store(
             return False  # a standby, or the run's store itself
         if unseal(token, run_id, REDIRECT_KEY, raw) == want:
             return False  # told already
-        client.set(key, seal(token, run_id, REDIRECT_KEY, want))
-        client.num_keys()  # answered: the SET before it was applied
+        client.set(key, seal(token, run_id, REDIRECT_KEY, want), confirmed=True)
     except RendezvousConnectionError:
         return False
     finally:

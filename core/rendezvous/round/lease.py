@@ -127,6 +127,9 @@ class Lease:
         # At least three keep-alives per lease: one late or lost answer never ends it.
         self.period = min(interval, self.length / 3)
         self._lock = threading.Lock()
+        # Notified when a keep-alive's request ends (answered or failed): ``join``.
+        self._answered = threading.Condition(self._lock)
+        self._sending = 0  # keep-alives whose request is on its way
         self._stop = threading.Event()
         self._wake_keeper = threading.Event()
         self._seq = 0
@@ -175,12 +178,13 @@ class Lease:
         JUDGES.remove(self)
 
     def join(self, timeout: float) -> None:
-        """After ``stop``: wait (up to ``timeout`` s) for the keep-alive thread to end, so
-        a keep-alive already on its way lands before the caller's last write to the key
-        (a beat answered after "done" would replace it: TCPStore's heartbeat overwrites
-        what it does not expect)."""
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        """After ``stop``: wait (up to ``timeout`` s) for a keep-alive already on its way
+        to land before the caller's last write to the key (a beat answered after "done"
+        would replace it: TCPStore's heartbeat overwrites what it does not expect). None
+        starts after ``stop`` (``renew``), so with none on its way this returns at once,
+        not after the keep-alive thread woke to end."""
+        with self._answered:
+            self._answered.wait_for(lambda: self._sending == 0, timeout)
 
     def suspend(self) -> None:
         """Stop sending keep-alives (how tests make a node look hung)."""
@@ -263,16 +267,19 @@ class Lease:
             self._last_sent, self._urgent = sent, False
             if self._in_flight is None:
                 self._in_flight = sent
+            self._sending += 1
         try:
             self.store.heartbeat(self.key, value)
         except BaseException:
             with self._lock:
+                self._sent()
                 self._in_flight = None
                 arming = self._end_arming()
             if arming:  # not renewed: the judge fences once the old lease is over
                 JUDGES.wake(self)
             raise
         with self._lock:
+            self._sent()
             # Judged as of the answer, before it counts: a lease that ran out (and was
             # not excused) stays run out.
             now = time.monotonic()
@@ -292,6 +299,11 @@ class Lease:
             JUDGES.wake(self)
         if self.on_acked is not None:
             self.on_acked(value.encode())
+
+    def _sent(self) -> None:
+        """A keep-alive's request ended; caller holds the lock."""
+        self._sending -= 1
+        self._answered.notify_all()
 
     def _end_arming(self) -> bool:
         """A keep-alive was answered (or failed): a lease ``arm`` found stale is judged
