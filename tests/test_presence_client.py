@@ -148,3 +148,29 @@ def test_a_socket_closed_under_the_thread_does_not_block_the_next_one() -> None:
             if client is not None:
                 client.stop()
         server.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_serving_rank_s_port_queues_a_whole_round_s_connects() -> None:
+    """Every member connects the instant its round forms. With Python's default backlog
+    (128) the kernel drops the connects of a larger round beyond it, each retried a
+    second later: the port's accept queue holds a round of MAX_CONNECTIONS members (or
+    as many as the system allows)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from elastic.core.rendezvous.round.presence import MAX_CONNECTIONS
+
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("needs ss (iproute2)")
+    server = PresenceServer("127.0.0.1", None, RUN)
+    try:
+        out = subprocess.run(
+            [ss, "-Hltn", f"sport = :{server.port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        assert out[0] == "LISTEN" and int(out[2]) == min(MAX_CONNECTIONS, somaxconn), out
+    finally:
+        server.close()

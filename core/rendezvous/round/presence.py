@@ -156,10 +156,13 @@ class PresenceServer:
 
     def __init__(self, addr: str, token: bytes | None, run_id: str) -> None:
         self._token, self._run_id = token, run_id
+        # Every member connects the instant its round forms: a backlog of Python's
+        # default (128) would drop most of a large round's connects, each then retried a
+        # second later by its kernel.
         try:
-            self._sock = socket.create_server((addr, 0))
+            self._sock = socket.create_server((addr, 0), backlog=MAX_CONNECTIONS)
         except OSError:  # an address we cannot bind (a name, or not ours): every address
-            self._sock = socket.create_server(("", 0))
+            self._sock = socket.create_server(("", 0), backlog=MAX_CONNECTIONS)
         self.port: int = self._sock.getsockname()[1]
         self._lock = threading.Lock()
         self._members: set[str] = set()
