@@ -299,6 +299,31 @@ def test_parked_wait_is_woken_by(
 
 
 @pytest.mark.timeout(60)
+def test_a_waiter_that_cannot_be_sent_to_costs_the_writer_nothing(
+    server: TCPStoreServer, connect: ClientFactory
+) -> None:
+    # The server sends a woken waiter's answer from within the writer's request: a send
+    # that fails there drops the waiter (by the loop), never the writer.
+    writer = connect(server.port)
+    broken, live = handshaken(server.port), handshaken(server.port)
+    for sock in (broken, live):
+        sock.sendall(wire.request(wire.Query.WAIT, wire.blobs([b"/k"])))
+    writer.num_keys()  # both WAITs are parked by now (sent before, on loopback)
+    where = broken.getsockname()
+    (served,) = [s for s in list(server._conns) if s.getpeername() == where]
+    served.shutdown(socket.SHUT_WR)  # the server's sends to it fail (EPIPE)
+    writer.set("k", b"v")
+    assert writer.get("k") == b"v" and writer.add("n", 1) == 1
+    assert live.recv(1) == wire.U8.pack(wire.STOP_WAITING)
+    deadline = time.monotonic() + 5
+    while server.clients > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.clients == 2  # the writer and the live waiter
+    for sock in (broken, live):
+        sock.close()
+
+
+@pytest.mark.timeout(60)
 def test_wait_on_several_keys_needs_all_of_them(server: TCPStoreServer, connect: ClientFactory):
     waiter, writer = connect(server.port), connect(server.port)
     done = threading.Event()

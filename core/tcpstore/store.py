@@ -268,6 +268,6 @@ class ServedStore(Generic[W]):
                 waiter.missing = None
                 waiter.outbuf += self._stop_waiting(waiter.reads)
                 waiter.reads = None
-                # Sent by the loop: a failure to send to the waiter must drop the
+                # The server sends it: a failure to send to the waiter must drop the
                 # waiter, not the connection whose request woke it.
                 self._wake(waiter)
