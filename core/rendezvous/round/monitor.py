@@ -180,7 +180,7 @@ class Monitor:
             if asg is not None:
                 # The round's first tick comes an interval after it formed, not at once:
                 # its outcome is fresh, and a thousand members returning together do not
-                # read it again (nor connect to rank 0) while the last are still returning.
+                # read it again while the last are still returning.
                 self._next_tick = time.monotonic() + self.interval
         # Connect to rank 0 now, from this thread (it never blocks: the process's presence
         # thread connects), rather than waking the monitor's: a thousand members of one
