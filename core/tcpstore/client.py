@@ -260,10 +260,7 @@ class TCPStoreClient(Channel):
         with self._lock:
             values = self._wait(wire_keys, seconds, keys, tick, self.takes_wait_get)
             if values is None:  # torch's server, or values past the server's reply limit
-                values = self._roundtrip(
-                    wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
-                    lambda deadline: [self._blob(deadline) for _ in wire_keys],
-                )
+                values = self._multi_get(wire_keys)
             return values
 
     def probe_wait_get(self) -> bool:
@@ -299,10 +296,14 @@ class TCPStoreClient(Channel):
         with self._lock:
             if wait:
                 self._wait(wire_keys, self.timeout, keys)
-            return self._roundtrip(
-                wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
-                lambda deadline: [self._blob(deadline) for _ in wire_keys],
-            )
+            return self._multi_get(wire_keys)
+
+    def _multi_get(self, wire_keys: list[bytes]) -> list[bytes]:
+        """One MULTI_GET; caller holds the lock."""
+        return self._roundtrip(
+            wire.request(Query.MULTI_GET, wire.blobs(wire_keys)),
+            lambda deadline: [self._blob(deadline) for _ in wire_keys],
+        )
 
     def multi_set(
         self, keys: Sequence[str], values: Sequence[bytes | str], confirmed: bool = False

@@ -232,8 +232,9 @@ class ServedStore(Generic[W]):
         """A parked request's answer: STOP_WAITING, and a WAIT_GET's values (``wire``)."""
         if reads is None:
             return wire.U8.pack(wire.STOP_WAITING)
-        values = [self.data.get(key, b"") for key in reads]
-        if sum(wire.U64.size + len(value) for value in values) > limits.MAX_REPLY_LEN:
+        try:
+            values = self._values_within_limit(reads)
+        except Limit:  # the client reads them with MULTI_GET, which the limit governs
             return wire.U8.pack(wire.STOP_WAITING) + wire.U8.pack(wire.NO_VALUES)
         answer = [wire.U8.pack(wire.STOP_WAITING), wire.U8.pack(wire.VALUES)]
         return b"".join(answer + [wire.blob(value) for value in values])

@@ -174,7 +174,7 @@ class Connection:
         self, keys: list[str], timeout: timedelta | None, tick: Tick | None = None
     ) -> list[bytes]:
         """``wait``, then the keys' values: ``TCPStoreClient.wait_get``."""
-        return list(self._on_waiter("wait_get", keys, timeout, tick))
+        return self._on_waiter("wait_get", keys, timeout, tick)
 
     def _on_waiter(
         self, op: str, keys: list[str], timeout: timedelta | None, tick: Tick | None

@@ -195,7 +195,10 @@ class EtcdV3Store:
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Values in ``keys`` order, read at one revision when ``keys`` fit one txn. A key
         that does not exist (e.g. a heartbeat whose lease just expired) reads as ``b""``."""
-        found, _ = self._read(keys)
+        return self._values(self._read(keys)[0], keys)
+
+    def _values(self, found: dict[str, dict[str, Any]], keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys`` in a read's ``found`` kvs, ``b""`` for one absent."""
         with reading_reply(self.where, "kv/txn"):
             return [unb64(found[k].get("value")) if k in found else b"" for k in map(self._k, keys)]
 
@@ -210,9 +213,7 @@ class EtcdV3Store:
     def wait_get(
         self, keys: Sequence[str], timeout: timedelta | None = None, tick: Tick | None = None
     ) -> list[bytes]:
-        found = self._await(keys, timeout, tick)
-        with reading_reply(self.where, "kv/txn"):
-            return [unb64(found[k].get("value")) for k in map(self._k, keys)]
+        return self._values(self._await(keys, timeout, tick), keys)
 
     def _await(
         self,
