@@ -39,8 +39,10 @@ for step in range(25):  # ~5 s of steady progress
     dist.all_reduce(t)
     elastic.heartbeat()
 if rank == 1 and attempt == 0:
-    with open(os.path.join(out, "hang.json"), "w") as f:
+    # Written whole, then renamed: the test reads it as soon as the name appears.
+    with open(os.path.join(out, "hang.json.tmp"), "w") as f:
         json.dump({"t": time.time()}, f)
+    os.replace(os.path.join(out, "hang.json.tmp"), os.path.join(out, "hang.json"))
     time.sleep(300)
 dist.all_reduce(t)
 dist.destroy_process_group()
