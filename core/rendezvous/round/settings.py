@@ -5,7 +5,17 @@ silently replaced by a default: a ``join_timeout=0`` taken as "unset" would run 
 600 s default instead of telling the user the value is out of range.
 torch's dynamic-rendezvous spellings ``keep_alive_interval``/``keep_alive_max_attempt``
 are accepted as another way to say ``heartbeat_interval``/``heartbeat_timeout``, so a
-torchrun command line works unchanged on any backend. A backend may add its own spellings
+torchrun command line works unchanged on any backend.
+
+The heartbeat interval not given is 1 s up to ``KEEP_ALIVES_PER_SECOND`` nodes (the
+``--nnodes`` maximum) and grows with the job beyond, its timeout five intervals: every
+member's keep-alive, tick and presence words reach one store and one rank 0, so a fixed
+interval makes their load grow with the job (at 1024 nodes and 1 s, about 4,000 messages
+a second in the Python of one agent, beside that node's workers), while a bounded rate
+costs a large job only a slower verdict on a machine gone silently (10 s at 1024 nodes);
+a process death and a departure are seen at once whatever the interval (presence). As
+Nomad bounds its servers' heartbeats (``max_heartbeats_per_second``). A value given is
+taken as given. A backend may add its own spellings
 of the round's plain-number keys (``aliases``: the ``etcd`` backend takes torch's
 ``timeout`` for ``join_timeout``) and name keys it no longer takes (``refused``), so every
 dynamic backend reads the same settings by the same rules, here.
@@ -26,8 +36,8 @@ ROUND_KEYS = (
     "last_call_timeout",  # s to wait for more nodes once min_nodes have joined (30; 0 = none)
     "join_timeout",  # s next_rendezvous may take before RendezvousTimeoutError (600)
     "close_timeout",  # s a hosting agent waits at shutdown for the others (30)
-    "heartbeat_interval",  # s between heartbeats (1)
-    "heartbeat_timeout",  # s without a heartbeat before a member counts as lost (5)
+    "heartbeat_interval",  # s between heartbeats (1; more past 512 nodes: default_interval)
+    "heartbeat_timeout",  # s without a heartbeat before a member counts as lost (5 intervals)
     "keep_alive_interval",  # torch's name for heartbeat_interval
     "keep_alive_max_attempt",  # torch's: heartbeat_timeout = interval * this
     "read_timeout",  # s a single store operation may take (10)
@@ -59,8 +69,20 @@ def _number(params: RendezvousParameters, key: str, default: float, *, zero_ok: 
     return value
 
 
+# The keep-alives a job's members send a second, at most, with the default interval.
+KEEP_ALIVES_PER_SECOND = 512
+HEARTBEATS_PER_TIMEOUT = 5  # the default timeout, in intervals
+
+
+def default_interval(max_nodes: int) -> float:
+    """The heartbeat interval of a job of up to ``max_nodes`` nodes, when none is given:
+    1 s, or as long as keeps the job's keep-alives within ``KEEP_ALIVES_PER_SECOND``."""
+    return max(1.0, max_nodes / KEEP_ALIVES_PER_SECOND)
+
+
 def _liveness(params: RendezvousParameters) -> tuple[float, float]:
-    """(heartbeat_interval, heartbeat_timeout), from our names or torch's, not both."""
+    """(heartbeat_interval, heartbeat_timeout), from our names or torch's, not both; what
+    is not given follows the job's size (``default_interval``)."""
     ours = {"heartbeat_interval", "heartbeat_timeout"} & set(params.config)
     torch_names = {"keep_alive_interval", "keep_alive_max_attempt"} & set(params.config)
     if ours and torch_names:
@@ -68,17 +90,21 @@ def _liveness(params: RendezvousParameters) -> tuple[float, float]:
             f"--rdzv-conf: give {' and '.join(sorted(ours))} or torch's "
             f"{' and '.join(sorted(torch_names))}, not both"
         )
+    base = default_interval(params.max_nodes)
     if torch_names:
-        interval = _number(params, "keep_alive_interval", 1.0, zero_ok=False)
-        attempts = params.get_as_int("keep_alive_max_attempt", 5)
+        interval = _number(params, "keep_alive_interval", base, zero_ok=False)
+        attempts = params.get_as_int("keep_alive_max_attempt", HEARTBEATS_PER_TIMEOUT)
         assert attempts is not None
         if attempts < 2:
             raise RendezvousConfigError(
                 f"--rdzv-conf keep_alive_max_attempt={attempts}: expected an integer >= 2"
             )
         return interval, interval * attempts
-    interval = _number(params, "heartbeat_interval", 1.0, zero_ok=False)
-    timeout = _number(params, "heartbeat_timeout", 5.0, zero_ok=False)
+    timeout = _number(params, "heartbeat_timeout", HEARTBEATS_PER_TIMEOUT * base, zero_ok=False)
+    # A timeout given alone keeps room for two heartbeats (the rule below) where the job's
+    # size alone would leave less: it never makes an error that 1 s would not.
+    default = min(base, max(1.0, timeout / 2)) if "heartbeat_timeout" in ours else base
+    interval = _number(params, "heartbeat_interval", default, zero_ok=False)
     if timeout < 2 * interval:
         # One late beat on a loaded machine must not look like a dead node.
         raise RendezvousConfigError(
