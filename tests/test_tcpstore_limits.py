@@ -381,6 +381,46 @@ def test_presence_hellos_that_are_late_or_too_long_are_dropped(
     assert len(warnings_about(caught, "HELLO_MAX")) == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_rounds_connects_at_once_are_each_challenged_and_the_silent_dropped_on_time(
+    monkeypatch: pytest.MonkeyPatch, presence_port: PresenceServer
+) -> None:
+    """A round's members connect at once: every connection queued is challenged, those
+    that answer stay, and each silent one is dropped when its own ``HELLO_WAIT`` is up,
+    neither sooner nor held back by those that came before or after it."""
+    monkeypatch.setattr(presence, "HELLO_WAIT", 1.5)
+    burst = [raw(presence_port.port) for _ in range(300)]  # queued before any is read
+    late = None
+    try:
+        for i, sock in enumerate(burst):
+            if i % 3:
+                say_hello(sock, f"n{i}")
+        time.sleep(0.8)
+        late = raw(presence_port.port)  # due 0.8 s after the burst's silent ones
+        silent = [sock for i, sock in enumerate(burst) if not i % 3]
+        started = time.monotonic()
+        for sock in silent:
+            assert CHALLENGE.fullmatch(closed_by_server(sock, within=5))
+        assert time.monotonic() - started < 1.4  # their own wait, not the late one's
+        late.settimeout(5)
+        line = b""
+        while not line.endswith(b"\n"):
+            line += late.recv(64)
+        assert CHALLENGE.fullmatch(line)
+        late.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # open still: its own wait is not up
+            late.recv(1)
+        assert closed_by_server(late, within=5) == b""
+        for i, sock in enumerate(burst):
+            if i % 3:  # a member that said hello stays
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    sock.recv(1)
+    finally:
+        for sock in [*burst, *([late] if late else [])]:
+            sock.close()
+
+
 @pytest.mark.timeout(30)
 def test_a_member_stopped_while_it_connects_says_goodbye(presence_port: PresenceServer) -> None:
     """A presence connection stopped after it answered the challenge but before the

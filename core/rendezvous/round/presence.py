@@ -173,9 +173,10 @@ class PresenceServer:
         self._closed_at: dict[str, float] = {}  # node -> when its last one closed unasked
         self._beats: dict[str, tuple[bytes, float]] = {}  # node -> (its ``beat``, when)
         self._conns: dict[socket.socket, _Conn] = {}
-        # The connections yet to say hello, so the loop never scans every connection for
-        # a hello that is due (rank 0 of a round of N holds N - 1 named ones).
-        self._unnamed: set[_Conn] = set()
+        # The connections yet to say hello, in the order accepted, so the first is the
+        # first due: the loop looks at no other for a hello that is due (rank 0 of a round
+        # of N holds N - 1 named ones, and takes N - 1 hellos at once).
+        self._unnamed: dict[_Conn, None] = {}
         self.on_change: Callable[[], None] = lambda: None  # a connection closed unasked
         self.on_left: Callable[[], None] = lambda: None  # a member said it left the job
         self._stop = threading.Event()
@@ -279,9 +280,11 @@ class PresenceServer:
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            hellos = [c.opened + HELLO_WAIT for c in self._unnamed]
+            first = next(iter(self._unnamed), None)
             timeout = limits.select_timeout(
-                time.monotonic(), min(hellos, default=None), self._listener.paused_until
+                time.monotonic(),
+                None if first is None else first.opened + HELLO_WAIT,
+                self._listener.paused_until,
             )
             for key, _ in self._sel.select(timeout):
                 if key.fileobj is self._sock:
@@ -292,10 +295,12 @@ class PresenceServer:
                         self._serve(conn)
             now = time.monotonic()
             self._listener.resume_if_due(now)
-            for conn in list(self._unnamed):
-                if now - conn.opened > HELLO_WAIT:
-                    self._limits.hit("HELLO_WAIT", f"no hello within {HELLO_WAIT:g}s; dropped")
-                    self._drop(conn)
+            while self._unnamed:
+                conn = next(iter(self._unnamed))
+                if now - conn.opened <= HELLO_WAIT:
+                    break
+                self._limits.hit("HELLO_WAIT", f"no hello within {HELLO_WAIT:g}s; dropped")
+                self._drop(conn)
 
     def _serve(self, conn: _Conn) -> None:
         """Read from one connection; whatever goes wrong costs that connection only."""
@@ -306,19 +311,22 @@ class PresenceServer:
             self._drop(conn)
 
     def _accept(self) -> None:
-        sock = self._listener.accept(len(self._conns))
-        if sock is None:
-            return
-        sock.setblocking(False)
-        conn = _Conn(sock)
-        try:  # a line of 33 bytes into an empty socket buffer: never a partial send
-            sock.send(conn.nonce.encode() + b"\n")
-        except OSError:
-            sock.close()
-            return
-        self._conns[sock] = conn
-        self._unnamed.add(conn)
-        self._sel.register(sock, selectors.EVENT_READ)
+        # A round's members connect at once: a batch a wakeup, as many as are queued (a
+        # bounded batch: the hellos already accepted are read in between).
+        for _ in range(64):
+            sock = self._listener.accept(len(self._conns))
+            if sock is None:
+                return
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            try:  # a line of 33 bytes into an empty socket buffer: never a partial send
+                sock.send(conn.nonce.encode() + b"\n")
+            except OSError:
+                sock.close()
+                continue
+            self._conns[sock] = conn
+            self._unnamed[conn] = None
+            self._sel.register(sock, selectors.EVENT_READ)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -348,7 +356,7 @@ class PresenceServer:
                 return
             (node, conn.round), conn.buf = proved, rest
             conn.node = node
-            self._unnamed.discard(conn)
+            self._unnamed.pop(conn, None)
             with self._lock:
                 self._open[node] = self._open.get(node, 0) + 1
                 self._newest[node] = max(conn.round, self._newest.get(node, -1))
@@ -369,7 +377,7 @@ class PresenceServer:
 
     def _drop(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock, None)
-        self._unnamed.discard(conn)
+        self._unnamed.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()
