@@ -289,7 +289,11 @@ def test_a_real_run_says_what_it_took_from_slurm_unless_quiet(tmp_path: Path) ->
     show = tmp_path / "show.py"
     show.write_text(
         "import os\n"
-        "print('WS', os.environ['WORLD_SIZE'], 'ID', os.environ['TORCHELASTIC_RUN_ID'])\n"
+        # One write of one line: both workers write to the agent's stdout, where print's
+        # pieces from two workers can interleave (its arguments are separate writes on
+        # an unbuffered stream).
+        "line = f\"WS {os.environ['WORLD_SIZE']} ID {os.environ['TORCHELASTIC_RUN_ID']}\\n\"\n"
+        "os.write(1, line.encode())\n"
     )
     env = srun_env(
         node=0,
