@@ -13,9 +13,9 @@ member's keep-alive, tick and presence words reach one store and one rank 0, so 
 interval makes their load grow with the job (at 1024 nodes and 1 s, about 4,000 messages
 a second in the Python of one agent, beside that node's workers), while a bounded rate
 costs a large job only a slower verdict on a machine gone silently (10 s at 1024 nodes);
-a process death and a departure are seen at once whatever the interval (presence), as
-Nomad bounds its servers' heartbeats (``max_heartbeats_per_second``). A value given is
-taken as given.
+a process death and a departure are seen at once whatever the interval (presence). Nomad
+bounds its servers' heartbeats the same way (``max_heartbeats_per_second``). A value
+given is taken as given.
 
 A backend may add its own spellings of the round's plain-number keys (``aliases``: the
 ``etcd`` backend takes torch's ``timeout`` for ``join_timeout``) and name keys it no
