@@ -46,9 +46,21 @@ class Judges:
 
     def wake(self, key: object) -> None:
         """Judge ``key`` now (its state changed: armed, stopped)."""
+        self.plan(key, time.monotonic())
+
+    def plan(self, key: object, at: float | None) -> None:
+        """Judge ``key`` at ``at`` (monotonic), whatever was planned before; None: not
+        until it is woken. A judge whose owner knows when it is next due is planned for
+        then, and the thread is woken only if that comes before everything else it waits
+        for: a thousand leases of one process armed together wake it once, not a
+        thousand times."""
         with self._cond:
-            if key in self._steps:
-                self._schedule(key, time.monotonic())
+            if key not in self._steps:
+                return
+            if at is None:
+                self._due.pop(key, None)
+            else:
+                self._schedule(key, at)
 
     def remove(self, key: object) -> None:
         with self._cond:
@@ -56,11 +68,13 @@ class Judges:
             self._due.pop(key, None)
 
     def _schedule(self, key: object, at: float) -> None:
-        """Caller holds ``_cond``."""
+        """Caller holds ``_cond``. The thread sleeps until the heap's first entry (or
+        later, the heap empty), so only a new first entry needs to wake it."""
         entry = (at, next(self._seq))
         self._due[key] = entry
         heapq.heappush(self._heap, (*entry, key))
-        self._cond.notify()
+        if self._heap[0][1] == entry[1]:
+            self._cond.notify()
 
     def _next(self) -> tuple[object, Step, tuple[float, int]]:
         """Wait for the earliest due judge; caller holds ``_cond``."""

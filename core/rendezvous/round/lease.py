@@ -227,12 +227,16 @@ class Lease:
                 self._urgent = True  # the keep-alive thread renews it now (``renew``)
             if member:
                 self._quiet = False
-        if self._arming:
+            # Nothing to judge yet (a fresh lease, or none): the judge is planned for
+            # when it is next due, as its own step would plan it, without waking it.
+            due, keep_now = self._plan(time.monotonic())
+            keep_now = keep_now or self._arming
+        if keep_now:
             self._wake_keeper.set()
         # Otherwise the judge wakes the keep-alive thread when the round's first one is
         # due (``_judge_step``), not now: a thousand members of one process returning
         # from their round together would wake a thousand threads for nothing.
-        JUDGES.wake(self)
+        JUDGES.plan(self, due)
 
     # -- what the round reads ---------------------------------------------------------
     def expired(self) -> Expiry | None:
@@ -356,16 +360,24 @@ class Lease:
         judge again (monotonic), None: not until ``arm``."""
         with self._lock:
             self._judge(now)
-            done = not self._armed or self._expired is not None
-            due = None if done else now + max(self._left(now), JEOPARDY_POLL)
-            keeping = self._keeper_asleep and not self._quiet and self._beating
-            keep_due = self._next_due() if keeping and not self._stop.is_set() else None
-        if keep_due is not None and keep_due <= now:
+            due, keep_now = self._plan(now)
+        if keep_now:
             self._wake_keeper.set()  # it sleeps until woken, and a keep-alive is due
-        elif keep_due is not None:
-            due = keep_due if due is None else min(due, keep_due)
         self._tell()  # at the lease's end: the judge is due then
         return due  # None: nothing to judge until the next round
+
+    def _plan(self, now: float) -> tuple[float | None, bool]:
+        """(when to judge next, None: not until ``arm``; whether the sleeping keep-alive
+        thread must be woken now, a keep-alive being due). Caller holds the lock."""
+        done = not self._armed or self._expired is not None
+        due = None if done else now + max(self._left(now), JEOPARDY_POLL)
+        keeping = self._keeper_asleep and not self._quiet and self._beating
+        keep_due = self._next_due() if keeping and not self._stop.is_set() else None
+        if keep_due is not None and keep_due <= now:
+            return due, True
+        if keep_due is not None:
+            due = keep_due if due is None else min(due, keep_due)
+        return due, False
 
     def _judge(self, now: float) -> None:
         """Record the expiry when the lease ran out and is not in jeopardy. Caller holds

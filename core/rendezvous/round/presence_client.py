@@ -41,10 +41,13 @@ log = logging.getLogger(__name__)
 
 RETRY_PAUSE = 0.05  # s between connects while a closed connection may come back
 _HEX = frozenset(b"0123456789abcdef")
+_NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux's; elsewhere setblocking does it
 
 # A connection's states, in the order a good one goes through them.
-_CONNECTING = "connecting"  # a non-blocking connect under way
-_CHALLENGE = "challenge"  # connected; reading the serving rank's challenge
+# A non-blocking connect under way, then the serving rank's challenge: one state, read
+# from the start (a failed connect makes the socket readable too, and a recv says why),
+# so a connection costs no turn of the loop, nor a selector change, to learn it connected.
+_CONNECTING = "connecting"
 _OPEN = "open"  # our hello sent: reading its words
 _PAUSE = "pause"  # closed unasked: the next connect after a pause, within BLIP_GRACE
 _ENDED = "ended"
@@ -127,15 +130,17 @@ class PresenceClient:
     def _next_address(self, loop: _Loop) -> None:
         while self._addresses:
             family, kind, proto, _, address = self._addresses.pop(0)
-            try:
-                sock = socket.socket(family, kind, proto)
+            try:  # non-blocking from the start where the system can: no ioctl for it
+                sock = socket.socket(family, kind | _NONBLOCK, proto)
             except OSError:
                 continue
-            sock.setblocking(False)
+            if not _NONBLOCK:
+                sock.setblocking(False)
             code = sock.connect_ex(address)
             if code in (0, errno.EINPROGRESS):
-                self._state, self._attempt = _CONNECTING, sock
-                loop.watch(self, sock, selectors.EVENT_WRITE, HELLO_WAIT)
+                self._state, self._attempt, self._buf = _CONNECTING, sock, b""
+                # The connect's wait and the challenge's, each HELLO_WAIT, in one.
+                loop.watch(self, sock, selectors.EVENT_READ, 2 * HELLO_WAIT)
                 return
             sock.close()
             self._refused = code == errno.ECONNREFUSED
@@ -166,26 +171,23 @@ class PresenceClient:
         return self._end(loop)
 
     def _ready(self, loop: _Loop) -> None:
-        """The socket of the current state can be read (or, connecting, written)."""
+        """The socket of the current state can be read (connecting: it connected and the
+        challenge came, or the connect failed)."""
         sock = self._attempt
         assert sock is not None
-        if self._state == _CONNECTING:
-            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if code:
-                self._refused = code == errno.ECONNREFUSED
-                self._drop_attempt(loop)
-                return self._next_address(loop)
-            self._state, self._buf = _CHALLENGE, b""
-            loop.watch(self, sock, selectors.EVENT_READ, HELLO_WAIT)
-            return None
-        size = NONCE_LEN + 1 - len(self._buf) if self._state == _CHALLENGE else 4 * LINE_MAX
+        connecting = self._state == _CONNECTING
+        size = NONCE_LEN + 1 - len(self._buf) if connecting else 4 * LINE_MAX
         try:
             data = sock.recv(size)
         except BlockingIOError:
             return None
-        except OSError:
+        except OSError as exc:
+            if connecting:  # the connect failed (or the connection, before a challenge)
+                self._refused = exc.errno == errno.ECONNREFUSED
+                self._drop_attempt(loop)
+                return self._next_address(loop)
             data = b""
-        if self._state == _CHALLENGE:
+        if connecting:
             return self._challenged(loop, sock, data)
         return self._heard(loop, sock, data)
 
@@ -240,7 +242,7 @@ class PresenceClient:
             if self._stop.is_set():
                 return self._end(loop)
             return self._begin(loop)
-        if self._state in (_CONNECTING, _CHALLENGE):  # timed out: says nothing
+        if self._state == _CONNECTING:  # timed out: says nothing
             self._refused = False
             return self._failed(loop)
         return None
@@ -283,7 +285,6 @@ class _Loop:
     client is added or stopped."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self._selector = selectors.DefaultSelector()
         self._wake_in, self._wake_out = socket.socketpair()
         for end in (self._wake_in, self._wake_out):
@@ -382,9 +383,19 @@ _the_loop_lock = threading.Lock()
 
 
 def _loop() -> _Loop:
-    """The process's presence thread (a forked child makes its own)."""
+    """The process's presence thread, started with its first connection."""
     global _the_loop
     with _the_loop_lock:
-        if _the_loop is None or _the_loop.pid != os.getpid():
+        if _the_loop is None:
             _the_loop = _Loop()
         return _the_loop
+
+
+def _forget_loop() -> None:
+    """A forked child has none of its parent's threads: it starts its own. (Said at the
+    fork, not checked with ``getpid`` on every call: a syscall per connection.)"""
+    global _the_loop, _the_loop_lock
+    _the_loop, _the_loop_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop)
