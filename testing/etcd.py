@@ -36,6 +36,8 @@ from typing import Any
 import pytest
 from elastic.testing.ports import free_port
 
+# Starts of a new cluster, each on newly chosen ports, before a taken port is an error.
+PORT_ATTEMPTS = 3
 ETCD_BINARY = os.environ.get("ELASTIC_TEST_ETCD", shutil.which("etcd") or "/usr/bin/etcd")
 
 
@@ -172,10 +174,37 @@ class EtcdCluster:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self, timeout: float = 20.0) -> EtcdCluster:
+        """Start every member. A port taken between its choice and etcd's bind (by another
+        test's process, or an outgoing connection's) is chosen again: the cluster is new,
+        so its members can all move."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            for member in self.members:
+                member.start(self.initial_cluster)
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except RuntimeError:
+                if attempt == PORT_ATTEMPTS or not self._port_taken():
+                    raise
+                self._move()
+        raise AssertionError("unreachable")
+
+    def _port_taken(self) -> bool:
+        """Whether a member gave up because its port was someone else's by then."""
+        return any(
+            m.log is not None and m.log.exists() and b"address already in use" in m.log.read_bytes()
+            for m in self.members
+        )
+
+    def _move(self) -> None:
+        """Every member stopped, its data and log gone, on new ports."""
         for member in self.members:
-            member.start(self.initial_cluster)
-        self.wait_healthy(timeout)
-        return self
+            member.kill()
+            shutil.rmtree(member.data_dir, ignore_errors=True)
+            if member.log is not None:
+                member.log.unlink(missing_ok=True)
+            member.client_port, member.peer_port = free_port(), free_port()
+        self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     def wait_healthy(self, timeout: float = 20.0, members: list[EtcdMember] | None = None) -> None:
         deadline = time.monotonic() + timeout
