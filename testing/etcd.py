@@ -167,7 +167,11 @@ class EtcdCluster:
             )
             for i in range(size)
         ]
-        self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def initial_cluster(self) -> str:
+        """Every member's peer address, as etcd's ``--initial-cluster`` takes them."""
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     @property
     def endpoint(self) -> str:
@@ -204,7 +208,6 @@ class EtcdCluster:
             if member.log is not None:
                 member.log.unlink(missing_ok=True)
             member.client_port, member.peer_port = free_port(), free_port()
-        self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     def wait_healthy(self, timeout: float = 20.0, members: list[EtcdMember] | None = None) -> None:
         deadline = time.monotonic() + timeout
